@@ -1,0 +1,489 @@
+"""Wire contract of the experience pool service.
+
+This module is the one piece shared by the service and its clients, so it imports nothing but
+pydantic and the standard library. All models are strict: a JSON `false` is not a float, a string
+is not an int, and unknown fields are refused, so a typo in a request is an error, not a silent
+default. Payload arrays (token ids, log-probs) travel either as JSON lists (easy with curl) or as
+base64 of little-endian packed arrays (int32 ids, float32 log-probs), which is what the SDK sends.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Weighting = Literal["normal", "linear", "sqrt", "linear_clip", "uniform"]
+Phase = Literal["on_policy", "mixed"]
+Sharing = Literal["per_run", "pooled"]
+CandidateMode = Literal["all", "lowest_stored_entropy", "none"]
+BatchStatus = Literal["planned", "committed", "abandoned"]
+TaskStatus = Literal["pending", "leased", "completed", "failed"]
+
+MAX_TOKENS_PER_TRAJECTORY = 65_536
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=False)
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details, the body of every error response."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+    request_id: str | None = None
+    errors: list[dict[str, Any]] | None = None
+
+
+# --------------------------------------------------------------------------------------- pools
+class PoolConfig(Strict):
+    """ExGRPO rules of a pool (spec sections 2-5). Runs may override the batch-level ones."""
+
+    k: int = Field(8, ge=2, le=1024, description="Rollouts per question (group size K).")
+    lbound: int = Field(0, ge=0, description="Collect a group only when lbound < k.")
+    rbound: int | None = Field(None, ge=1, description="... and k <= rbound; default K-1.")
+    weighting: Weighting = Field("normal", description="Bucket weighting for replay sampling.")
+    mu: FiniteFloat | None = Field(None, description="Gaussian centre; default K/2 (count) or 0.5.")
+    sigma: FiniteFloat = Field(1.0, gt=0, description="Gaussian width in `unit`s.")
+    unit: Literal["count", "accuracy"] = Field("count", description="Unit of mu and sigma.")
+    experience_ratio: FiniteFloat = Field(0.5, ge=0, le=1, description="Share of replayed questions.")
+    batch_size: int = Field(128, ge=1, le=65_536, description="Questions per training step (B).")
+    start_threshold: FiniteFloat = Field(0.35, ge=0, le=1, description="Delayed-start threshold.")
+    sharing: Sharing = Field("per_run", description="Buckets/retirement per run, or pooled.")
+    active_refresh_margin: int = Field(20, ge=0, description="Epoch refresh needs > B + margin.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> PoolConfig:
+        rb = self.k - 1 if self.rbound is None else self.rbound
+        if rb > self.k - 1:
+            raise ValueError(f"rbound must be at most k-1 = {self.k - 1} (k = K means retire), got {rb}")
+        if self.lbound >= rb:
+            raise ValueError(f"lbound ({self.lbound}) must be smaller than rbound ({rb})")
+        return self
+
+
+class PoolCreate(Strict):
+    name: Name
+    config: PoolConfig = Field(default_factory=PoolConfig)
+    description: str = Field("", max_length=2000)
+
+
+class PoolUpdate(Strict):
+    description: str | None = Field(None, max_length=2000)
+    config: PoolConfig | None = None
+
+
+class PoolPublic(Strict):
+    id: int
+    name: str
+    description: str
+    config: PoolConfig
+    num_questions: int
+    num_trajectories: int
+    num_runs: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class PoolsPublic(Strict):
+    data: list[PoolPublic]
+    count: int
+
+
+# ------------------------------------------------------------------------------------ questions
+class ChatMessage(Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(max_length=200_000)
+
+
+class QuestionCreate(Strict):
+    prompt: list[ChatMessage] = Field(min_length=1, max_length=64)
+    ground_truth: str = Field(max_length=100_000)
+    data_source: str = Field("", max_length=256)
+    external_id: str | None = Field(None, max_length=256)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class QuestionsImport(Strict):
+    questions: list[QuestionCreate] = Field(min_length=1, max_length=50_000)
+
+
+class QuestionsImported(Strict):
+    received: int
+    inserted: int
+    duplicates: int
+    num_questions: int
+
+
+class QuestionPublic(Strict):
+    id: int
+    pool: str
+    prompt: list[ChatMessage]
+    ground_truth: str
+    data_source: str
+    external_id: str | None
+    metadata: dict[str, Any]
+    created_at: datetime
+
+
+class QuestionsPublic(Strict):
+    data: list[QuestionPublic]
+    count: int
+    next_after: int | None = None
+
+
+# --------------------------------------------------------------------------------- trajectories
+class Payload(Strict):
+    """Token ids and per-token log-probs of one response, as lists or base64 packed arrays."""
+
+    token_ids: list[int] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
+    token_ids_b64: str | None = Field(None, description="base64 of little-endian int32 ids")
+    logprobs: list[FiniteFloat] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
+    logprobs_b64: str | None = Field(None, description="base64 of little-endian float32 log-probs")
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> Payload:
+        if (self.token_ids is None) == (self.token_ids_b64 is None):
+            raise ValueError("give exactly one of token_ids or token_ids_b64")
+        if (self.logprobs is None) == (self.logprobs_b64 is None):
+            raise ValueError("give exactly one of logprobs or logprobs_b64")
+        return self
+
+
+class RolloutResult(Payload):
+    """One graded rollout of a group. Payload fields are required for correct rollouts only."""
+
+    token_ids: list[int] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
+    logprobs: list[FiniteFloat] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
+    reward: FiniteFloat = Field(ge=-1e6, le=1e6)
+    entropy: FiniteFloat | None = Field(None, ge=0, description="Mean token entropy of the response.")
+    replayed: bool = Field(False, description="This row is the replayed stored trajectory.")
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> RolloutResult:
+        for a, b in (("token_ids", "token_ids_b64"), ("logprobs", "logprobs_b64")):
+            if getattr(self, a) is not None and getattr(self, b) is not None:
+                raise ValueError(f"give {a} or {b}, not both")
+        has_ids = self.token_ids is not None or self.token_ids_b64 is not None
+        has_lp = self.logprobs is not None or self.logprobs_b64 is not None
+        if has_ids != has_lp:
+            raise ValueError("token ids and log-probs come together: give both or neither")
+        return self
+
+
+class GroupResult(Strict):
+    question_id: int
+    rollouts: list[RolloutResult] = Field(min_length=1, max_length=1024)
+    replay_trajectory_id: int | None = Field(None, description="Stored trajectory used as row 0.")
+
+
+class TrajectoryPublic(Strict):
+    id: int
+    question_id: int
+    source_run: str | None
+    policy_version: int
+    step: int
+    reward: float
+    entropy: float | None
+    num_tokens: int
+    created_at: datetime
+    token_ids_b64: str | None = None
+    logprobs_b64: str | None = None
+
+
+# ----------------------------------------------------------------------------------------- runs
+class RunOverrides(Strict):
+    experience_ratio: FiniteFloat | None = Field(None, ge=0, le=1)
+    batch_size: int | None = Field(None, ge=1, le=65_536)
+    start_threshold: FiniteFloat | None = Field(None, ge=0, le=1)
+    experience: bool = Field(True, description="False runs plain on-policy GRPO (never replays).")
+
+
+class RunCreate(Strict):
+    name: Name
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    overrides: RunOverrides = Field(default_factory=RunOverrides)
+    phase: Phase = "on_policy"
+
+
+class RunUpdate(Strict):
+    phase: Phase | None = None
+    overrides: RunOverrides | None = None
+
+
+class RunPublic(Strict):
+    id: int
+    name: str
+    pool: str
+    seed: int
+    phase: Phase
+    switched_at_step: int | None
+    step: int
+    policy_version: int
+    epoch: int
+    cursor: int
+    overrides: RunOverrides
+    created_at: datetime
+    updated_at: datetime
+
+
+class RunsPublic(Strict):
+    data: list[RunPublic]
+    count: int
+
+
+class PolicyVersionCreate(Strict):
+    version: int = Field(ge=0)
+    uri: str = Field(min_length=1, max_length=4096)
+    step: int = Field(0, ge=0)
+
+
+class PolicyVersionPublic(Strict):
+    version: int
+    uri: str
+    step: int
+    created_at: datetime
+
+
+class PolicyVersionsPublic(Strict):
+    data: list[PolicyVersionPublic]
+    count: int
+
+
+# -------------------------------------------------------------------------------------- batches
+class BatchCreate(Strict):
+    batch_size: int | None = Field(None, ge=1, le=65_536)
+    experience_ratio: FiniteFloat | None = Field(None, ge=0, le=1)
+    candidates: CandidateMode = Field("all", description="Stored trajectories sent with replays.")
+    create_tasks: bool = Field(False, description="Queue generation tasks for remote workers.")
+    replan: bool = Field(False, description="Abandon an open uncommitted batch and plan anew.")
+
+
+class FreshItem(Strict):
+    question_id: int
+    prompt: list[ChatMessage]
+    ground_truth: str
+    data_source: str
+    num_samples: int
+
+
+class ReplayItem(FreshItem):
+    bucket: int
+    probability: float
+    candidates: list[TrajectoryPublic]
+
+
+class BatchPlan(Strict):
+    id: str
+    run: str
+    pool: str
+    step: int
+    phase: Phase
+    status: BatchStatus
+    policy_version: int
+    k: int
+    fresh: list[FreshItem]
+    replay: list[ReplayItem]
+    num_eligible: int
+    skipped_fresh: int
+    epoch: int
+    created_at: datetime
+
+
+class BatchCommit(Strict):
+    groups: list[GroupResult] = Field(min_length=1, max_length=65_536)
+    policy_version: int | None = Field(None, ge=0)
+    metrics: dict[str, FiniteFloat] = Field(default_factory=dict)
+
+
+class CommitResult(Strict):
+    batch_id: str | None
+    run: str
+    step: int
+    phase: Phase
+    switched: bool
+    solved_fraction: float
+    retired: int
+    collected_groups: int
+    ignored_groups: int
+    stored_trajectories: int
+    duplicate_trajectories: int
+    bucket_moves: int
+
+
+class BatchStatusPublic(Strict):
+    id: str
+    run: str
+    step: int
+    status: BatchStatus
+    num_tasks: int
+    tasks_completed: int
+    tasks_pending: int
+    tasks_leased: int
+    tasks_failed: int
+    result: CommitResult | None
+
+
+class IngestRequest(Strict):
+    groups: list[GroupResult] = Field(min_length=1, max_length=65_536)
+    policy_version: int = Field(0, ge=0)
+    step: int | None = Field(None, ge=0)
+
+
+class SelectRequest(Strict):
+    n: int = Field(ge=1, le=65_536)
+    seed: int | None = None
+    candidates: CandidateMode = "all"
+
+
+class SelectResult(Strict):
+    run: str
+    num_eligible: int
+    replay: list[ReplayItem]
+
+
+# ---------------------------------------------------------------------------------------- tasks
+class SamplingParams(Strict):
+    temperature: FiniteFloat = Field(1.0, ge=0)
+    top_p: FiniteFloat = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(8192, ge=1)
+
+
+class TaskClaim(Strict):
+    worker: str = Field(min_length=1, max_length=256)
+    max_tasks: int = Field(1, ge=1, le=1024)
+    lease_seconds: FiniteFloat = Field(120.0, gt=0, le=86_400)
+
+
+class TaskPublic(Strict):
+    id: int
+    batch_id: str
+    run: str
+    question_id: int
+    prompt: list[ChatMessage]
+    ground_truth: str
+    data_source: str
+    num_samples: int
+    replayed: bool
+    policy_version: int
+    status: TaskStatus
+    attempts: int
+    lease_token: str | None
+    lease_expires_at: datetime | None
+
+
+class TasksPublic(Strict):
+    data: list[TaskPublic]
+    count: int
+
+
+class TaskRenew(Strict):
+    lease_token: str
+    lease_seconds: FiniteFloat = Field(120.0, gt=0, le=86_400)
+
+
+class TaskComplete(Strict):
+    lease_token: str
+    rollouts: list[RolloutResult] = Field(min_length=1, max_length=1024)
+
+
+class TaskFail(Strict):
+    lease_token: str
+    error: str = Field(max_length=4000)
+    retry: bool = True
+
+
+class BatchResults(Strict):
+    batch_id: str
+    complete: bool
+    groups: list[GroupResult]
+
+
+# ---------------------------------------------------------------------------------------- stats
+class BucketCount(Strict):
+    bucket: int
+    questions: int
+
+
+class RunStats(Strict):
+    run: str
+    pool: str
+    phase: Phase
+    step: int
+    policy_version: int
+    buckets: list[BucketCount]
+    eligible: int
+    retired: int
+    seen: int
+    trajectories: int
+    replayed_last_step: int
+    ingest_per_minute: float
+
+
+class PoolStats(Strict):
+    pool: str
+    num_questions: int
+    num_trajectories: int
+    num_tokens: int
+    num_runs: int
+    runs: list[RunStats]
+
+
+class QuestionRunState(Strict):
+    run: str
+    num_correct: int | None
+    bucket: int | None
+    retired: bool
+    last_step: int | None
+
+
+class QuestionDetail(QuestionPublic):
+    trajectories: list[TrajectoryPublic]
+    runs: list[QuestionRunState]
+
+
+# ------------------------------------------------------------------------------- export/import
+class ExportHeader(Strict):
+    kind: Literal["exgrpo-pool-export"] = "exgrpo-pool-export"
+    format_version: int = 1
+    pool: PoolCreate
+    num_questions: int
+    num_trajectories: int
+    num_runs: int
+
+
+# ------------------------------------------------------------------------------- packed arrays
+def pack_ids(ids: list[int]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode("ascii")
+
+
+def pack_logprobs(values: list[float]) -> str:
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError("log-probs must be finite")
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+
+
+def unpack_ids(b64: str) -> list[int]:
+    raw = base64.b64decode(b64, validate=True)
+    if len(raw) % 4:
+        raise ValueError("token_ids_b64 length is not a multiple of 4 bytes (int32)")
+    return list(struct.unpack(f"<{len(raw) // 4}i", raw))
+
+
+def unpack_logprobs(b64: str) -> list[float]:
+    raw = base64.b64decode(b64, validate=True)
+    if len(raw) % 4:
+        raise ValueError("logprobs_b64 length is not a multiple of 4 bytes (float32)")
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))

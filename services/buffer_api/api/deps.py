@@ -1,0 +1,155 @@
+"""Request dependencies: the service context, the caller, scope checks, idempotent writes."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from exgrpo_pool.errors import BadRequest, Forbidden, Unauthorized
+from exgrpo_pool.service.context import Context
+from exgrpo_pool.service.pools import load_pool
+from exgrpo_pool.store import repo
+from exgrpo_pool.store.models import IdempotencyKey, Pool, utcnow
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+
+@dataclass(frozen=True)
+class Principal:
+    name: str
+    scopes: frozenset[str]
+
+    @property
+    def is_admin(self) -> bool:
+        return "admin" in self.scopes
+
+    def can_read(self) -> bool:
+        return bool(self.scopes)
+
+    def can_write(self, pool: str) -> bool:
+        return self.is_admin or "write:*" in self.scopes or f"write:{pool}" in self.scopes
+
+
+def get_context(request: Request) -> Context:
+    return request.app.state.ctx  # type: ignore[no-any-return]
+
+
+ContextDep = Annotated[Context, Depends(get_context)]
+
+
+def get_principal(request: Request, ctx: ContextDep) -> Principal:
+    header = request.headers.get("authorization", "")
+    if header:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthorized("use the header 'Authorization: Bearer <token>'")
+        for grant in ctx.settings.tokens:
+            if hmac.compare_digest(grant.token.encode(), token.strip().encode()):
+                return Principal(grant.name, frozenset(grant.scopes))
+        raise Unauthorized("unknown bearer token")
+    if ctx.settings.allow_anonymous:
+        scopes = {"admin"} if ctx.settings.loopback else {"read"}
+        return Principal("anonymous", frozenset(scopes))
+    raise Unauthorized("this service needs a bearer token (header 'Authorization: Bearer <token>')")
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def require_read(principal: PrincipalDep) -> Principal:
+    if not principal.can_read():
+        raise Forbidden(f"{principal.name} may not read")
+    return principal
+
+
+def require_admin(principal: PrincipalDep) -> Principal:
+    if not principal.is_admin:
+        raise Forbidden(f"{principal.name} lacks the admin scope")
+    return principal
+
+
+Reader = Annotated[Principal, Depends(require_read)]
+Admin = Annotated[Principal, Depends(require_admin)]
+
+
+async def readable_pool(pool: str, ctx: ContextDep, principal: Reader) -> Pool:
+    return await load_pool(ctx, pool)
+
+
+async def writable_pool(pool: str, ctx: ContextDep, principal: PrincipalDep) -> Pool:
+    if not principal.can_write(pool):
+        raise Forbidden(f"{principal.name} may not write to pool {pool!r} (needs scope write:{pool}, "
+                        "write:* or admin)")
+    return await load_pool(ctx, pool)
+
+
+ReadPool = Annotated[Pool, Depends(readable_pool)]
+WritePool = Annotated[Pool, Depends(writable_pool)]
+
+
+# --------------------------------------------------------------------------- idempotent writes
+class Idempotency:
+    """Replays the first response of a write sent again with the same `Idempotency-Key`.
+
+    Every write is also idempotent by construction (a batch commits once, questions and
+    trajectories are de-duplicated, task completion checks its lease), so a key lost in a crash
+    between the write and the key's record costs nothing but an identical response."""
+
+    def __init__(self, request: Request, ctx: ContextDep, principal: PrincipalDep) -> None:
+        self.request = request
+        self.ctx = ctx
+        self.principal = principal
+        self.key = request.headers.get("idempotency-key")
+        if self.key is not None and not (1 <= len(self.key) <= 255):
+            raise BadRequest("Idempotency-Key must be 1 to 255 characters")
+
+    def _redis_key(self) -> str:
+        return f"{self.ctx.settings.redis_prefix}:idem:{self.principal.name}:{self.key}"
+
+    async def run(self, fn: Callable[[], Awaitable[BaseModel | dict[str, Any]]], status_code: int = 200) -> Any:
+        if self.key is None:
+            return JSONResponse(_dump(await fn()), status_code=status_code)
+        body = await self.request.body()
+        route = f"{self.request.method} {self.request.url.path}"
+        digest = hashlib.sha256(route.encode() + b"\n" + body).hexdigest()
+        cached = await self._lookup()
+        if cached is not None:
+            if cached["request_hash"] != digest:
+                raise BadRequest("this Idempotency-Key was used for a different request; use a new key")
+            return JSONResponse(cached["response"], status_code=cached["status_code"],
+                                headers={"Idempotent-Replayed": "true"})
+        content = _dump(await fn())
+        record = {"request_hash": digest, "status_code": status_code, "response": content, "route": route}
+        await self._store(record)
+        return JSONResponse(content, status_code=status_code)
+
+    async def _lookup(self) -> dict[str, Any] | None:
+        if self.ctx.redis is not None:
+            raw = await self.ctx.redis.get(self._redis_key())
+            if raw:
+                return json.loads(raw)  # type: ignore[no-any-return]
+        async with self.ctx.db.read() as session:
+            row = await repo.get_idempotent(session, self.key or "", self.principal.name)
+        if row is None:
+            return None
+        return {"request_hash": row.request_hash, "status_code": row.status_code, "response": row.response}
+
+    async def _store(self, record: dict[str, Any]) -> None:
+        async with self.ctx.db.write() as session:
+            if await repo.get_idempotent(session, self.key or "", self.principal.name) is None:
+                session.add(IdempotencyKey(key=self.key, principal=self.principal.name, created_at=utcnow(),
+                                           **record))
+        if self.ctx.redis is not None:
+            await self.ctx.redis.set(self._redis_key(), json.dumps(record), ex=24 * 3600)
+
+
+IdempotencyDep = Annotated[Idempotency, Depends(Idempotency)]
+
+
+def _dump(obj: BaseModel | dict[str, Any]) -> Any:
+    return obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj

@@ -1,0 +1,53 @@
+"""Batches (plan lives under runs): show, status, commit, results; tasks: renew, complete, fail."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from exgrpo_client import schemas as s
+from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, WritePool
+from exgrpo_pool.service import batches, tasks
+from fastapi import APIRouter, Query
+
+router = APIRouter(prefix="/v1/pools/{pool}", tags=["batches"])
+
+
+@router.get("/batches/{batch_id}", response_model=s.BatchPlan)
+async def show_batch(batch_id: str, pool: ReadPool, ctx: ContextDep) -> s.BatchPlan:
+    return await batches.get_batch_plan(ctx, pool, batch_id)
+
+
+@router.get("/batches/{batch_id}/status", response_model=s.BatchStatusPublic)
+async def batch_status(batch_id: str, pool: ReadPool, ctx: ContextDep) -> s.BatchStatusPublic:
+    return await tasks.batch_status(ctx, pool, batch_id)
+
+
+@router.post("/batches/{batch_id}/commit", response_model=s.CommitResult)
+async def commit_batch(
+    batch_id: str, body: s.BatchCommit, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
+    return await idem.run(lambda: batches.commit_batch(ctx, pool, batch_id, body))
+
+
+@router.get("/batches/{batch_id}/results", response_model=s.BatchResults)
+async def batch_results(
+    batch_id: str, pool: ReadPool, ctx: ContextDep, wait: Annotated[float, Query(ge=0, le=300)] = 0.0
+) -> s.BatchResults:
+    return await tasks.batch_results(ctx, pool, batch_id, wait)
+
+
+@router.post("/tasks/{task_id}/renew", response_model=s.TaskPublic)
+async def renew_task(task_id: int, body: s.TaskRenew, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+    return await idem.run(lambda: tasks.renew(ctx, pool, task_id, body))
+
+
+@router.post("/tasks/{task_id}/complete", response_model=s.TaskPublic)
+async def complete_task(
+    task_id: int, body: s.TaskComplete, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
+    return await idem.run(lambda: tasks.complete(ctx, pool, task_id, body))
+
+
+@router.post("/tasks/{task_id}/fail", response_model=s.TaskPublic)
+async def fail_task(task_id: int, body: s.TaskFail, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+    return await idem.run(lambda: tasks.fail(ctx, pool, task_id, body))

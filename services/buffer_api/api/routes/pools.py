@@ -1,0 +1,87 @@
+"""Pools, questions, stats, export and import."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from exgrpo_client import schemas as s
+from exgrpo_pool.api.deps import Admin, ContextDep, IdempotencyDep, PrincipalDep, Reader, ReadPool, WritePool
+from exgrpo_pool.errors import Forbidden
+from exgrpo_pool.service import pools as svc
+from exgrpo_pool.service import transfer
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+
+router = APIRouter(prefix="/v1/pools", tags=["pools"])
+
+
+@router.get("", response_model=s.PoolsPublic)
+async def list_pools(ctx: ContextDep, _: Reader) -> s.PoolsPublic:
+    return await svc.list_pools(ctx)
+
+
+@router.post("", response_model=s.PoolPublic, status_code=201)
+async def create_pool(body: s.PoolCreate, ctx: ContextDep, who: PrincipalDep, idem: IdempotencyDep) -> object:
+    if not who.can_write(body.name):
+        raise Forbidden(f"{who.name} may not create pool {body.name!r} (needs write:{body.name}, write:* or admin)")
+    return await idem.run(lambda: svc.create_pool(ctx, body), status_code=201)
+
+
+@router.post("/import", status_code=201)
+async def import_pool(
+    request: Request, ctx: ContextDep, _: Admin, name: Annotated[str | None, Query(max_length=128)] = None
+) -> dict[str, object]:
+    return await transfer.import_pool(ctx, request.stream(), name)
+
+
+@router.get("/{pool}", response_model=s.PoolPublic)
+async def show_pool(pool: ReadPool, ctx: ContextDep) -> s.PoolPublic:
+    return await svc.show_pool(ctx, pool.name)
+
+
+@router.patch("/{pool}", response_model=s.PoolPublic)
+async def update_pool(body: s.PoolUpdate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+    return await idem.run(lambda: svc.update_pool(ctx, pool.name, body))
+
+
+@router.get("/{pool}/stats", response_model=s.PoolStats)
+async def pool_stats(pool: ReadPool, ctx: ContextDep) -> s.PoolStats:
+    return await svc.pool_stats(ctx, pool)
+
+
+@router.post("/{pool}/questions", response_model=s.QuestionsImported)
+async def import_questions(
+    body: s.QuestionsImport, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
+    return await idem.run(lambda: svc.import_questions(ctx, pool, body))
+
+
+@router.get("/{pool}/questions", response_model=s.QuestionsPublic)
+async def list_questions(
+    pool: ReadPool,
+    ctx: ContextDep,
+    after: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> s.QuestionsPublic:
+    return await svc.list_questions(ctx, pool, after, limit)
+
+
+@router.get("/{pool}/questions/{question_id}", response_model=s.QuestionDetail)
+async def question_detail(
+    question_id: int, pool: ReadPool, ctx: ContextDep, payload: bool = False
+) -> s.QuestionDetail:
+    return await svc.question_detail(ctx, pool, question_id, payload=payload)
+
+
+@router.get("/{pool}/export", response_class=StreamingResponse)
+async def export_pool(pool: ReadPool, ctx: ContextDep) -> StreamingResponse:
+    return StreamingResponse(
+        transfer.export_pool(ctx, pool),
+        media_type="application/x-ndjson",
+        headers={"Content-Disposition": f'attachment; filename="{pool.name}.ndjson"'},
+    )
+
+
+@router.post("/{pool}/index/rebuild")
+async def rebuild_index(pool: ReadPool, ctx: ContextDep, _: Admin) -> dict[str, int]:
+    return await svc.rebuild_pool_index(ctx, pool)

@@ -1,0 +1,68 @@
+"""Runs: create, show, stats, policy versions, batches, ingest, replay selection, task claims."""
+
+from __future__ import annotations
+
+from exgrpo_client import schemas as s
+from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, WritePool
+from exgrpo_pool.service import batches, tasks
+from exgrpo_pool.service import pools as svc
+from fastapi import APIRouter
+
+router = APIRouter(prefix="/v1/pools/{pool}/runs", tags=["runs"])
+
+
+@router.post("", response_model=s.RunPublic, status_code=201)
+async def create_run(body: s.RunCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+    return await idem.run(lambda: svc.create_run(ctx, pool, body), status_code=201)
+
+
+@router.get("", response_model=s.RunsPublic)
+async def list_runs(pool: ReadPool, ctx: ContextDep) -> s.RunsPublic:
+    return await svc.list_runs(ctx, pool)
+
+
+@router.get("/{run}", response_model=s.RunPublic)
+async def show_run(run: str, pool: ReadPool, ctx: ContextDep) -> s.RunPublic:
+    return await svc.show_run(ctx, pool, run)
+
+
+@router.patch("/{run}", response_model=s.RunPublic)
+async def update_run(run: str, body: s.RunUpdate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+    return await idem.run(lambda: svc.update_run(ctx, pool, run, body))
+
+
+@router.get("/{run}/stats", response_model=s.RunStats)
+async def run_stats(run: str, pool: ReadPool, ctx: ContextDep) -> s.RunStats:
+    return await svc.run_stats(ctx, pool, run)
+
+
+@router.post("/{run}/policy-versions", response_model=s.PolicyVersionPublic, status_code=201)
+async def add_policy_version(
+    run: str, body: s.PolicyVersionCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
+    return await idem.run(lambda: svc.add_policy_version(ctx, pool, run, body), status_code=201)
+
+
+@router.get("/{run}/policy-versions", response_model=s.PolicyVersionsPublic)
+async def list_policy_versions(run: str, pool: ReadPool, ctx: ContextDep) -> s.PolicyVersionsPublic:
+    return await svc.list_policy_versions(ctx, pool, run)
+
+
+@router.post("/{run}/batches", response_model=s.BatchPlan, status_code=201)
+async def plan_batch(run: str, body: s.BatchCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+    return await idem.run(lambda: batches.plan_batch(ctx, pool, run, body), status_code=201)
+
+
+@router.post("/{run}/ingest", response_model=s.CommitResult)
+async def ingest(run: str, body: s.IngestRequest, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+    return await idem.run(lambda: batches.ingest(ctx, pool, run, body))
+
+
+@router.post("/{run}/select", response_model=s.SelectResult)
+async def select_replay(run: str, body: s.SelectRequest, pool: ReadPool, ctx: ContextDep) -> s.SelectResult:
+    return await batches.select_replay(ctx, pool, run, body)
+
+
+@router.post("/{run}/tasks/claim", response_model=s.TasksPublic)
+async def claim_tasks(run: str, body: s.TaskClaim, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+    return await idem.run(lambda: tasks.claim(ctx, pool, run, body))

@@ -1,0 +1,257 @@
+"""The FastAPI application: `create_app(settings)`; no module-level state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from exgrpo_pool.api.routes import batches, pools, runs
+from exgrpo_pool.config import Settings
+from exgrpo_pool.errors import PayloadTooLarge, ServiceError
+from exgrpo_pool.index.memory import MemoryIndex
+from exgrpo_pool.metrics import Metrics
+from exgrpo_pool.service.context import Context
+from exgrpo_pool.service.pools import load_pool, rebuild_pool_index
+from exgrpo_pool.store import db as dbmod
+from exgrpo_pool.store import repo
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("exgrpo.pool")
+PROBLEM = "application/problem+json"
+
+
+# ------------------------------------------------------------------------------------ logging
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(settings: Settings) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if settings.log_json else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger("exgrpo")
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level)
+    root.propagate = False
+
+
+# ------------------------------------------------------------------------------------ problems
+def problem(status: int, title: str, detail: str, request: Request, **extra: Any) -> JSONResponse:
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail,
+            "instance": request.url.path, "request_id": getattr(request.state, "request_id", None), **extra}
+    return JSONResponse(body, status_code=status, media_type=PROBLEM)
+
+
+def _validation_detail(errors: list[dict[str, Any]]) -> str:
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg')}")
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        if exc.status >= 500:
+            log.exception("service error", exc_info=exc)
+        return problem(exc.status, exc.title, exc.detail, request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()
+        ]
+        return problem(422, "Invalid request", _validation_detail(errors), request, errors=errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        title = {404: "Not found", 405: "Method not allowed"}.get(exc.status_code, "HTTP error")
+        return problem(exc.status_code, title, str(exc.detail), request)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error", exc_info=exc,
+                  extra={"fields": {"path": request.url.path, "request_id": request.state.request_id}})
+        return problem(500, "Internal error", "the service failed; the request changed nothing. "
+                       "Retry, and report the request_id if it persists", request)
+
+
+# -------------------------------------------------------------------------------- middleware
+class BodyLimit:
+    """Refuses bodies over the limit (Content-Length up front, streamed bodies as they arrive)."""
+
+    def __init__(self, app: ASGIApp, limit: int, import_limit: int) -> None:
+        self.app, self.limit, self.import_limit = app, limit, import_limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.import_limit if scope["path"].endswith("/pools/import") else self.limit
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await self._reject(scope, send, limit)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise PayloadTooLarge(f"request body over {limit} bytes: split it into smaller requests")
+            return msg
+
+        await self.app(scope, limited, send)
+
+    @staticmethod
+    async def _reject(scope: Scope, send: Send, limit: int) -> None:
+        body = json.dumps({"type": "about:blank", "title": "Payload too large", "status": 413,
+                           "detail": f"request body over {limit} bytes: split it into smaller requests "
+                           "(for example fewer questions or groups per call)",
+                           "instance": scope["path"]}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", PROBLEM.encode()), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def install_observability(app: FastAPI, metrics: Metrics) -> None:
+    access = logging.getLogger("exgrpo.access")
+
+    @app.middleware("http")
+    async def _observe(request: Request, call_next: Any) -> Response:
+        request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        start = time.perf_counter()
+        response: Response = await call_next(request)
+        elapsed = time.perf_counter() - start
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        metrics.request_seconds.labels(request.method, route, str(response.status_code)).observe(elapsed)
+        response.headers["X-Request-ID"] = request.state.request_id
+        access.info("request", extra={"fields": {
+            "method": request.method, "route": route, "path": request.url.path, "status": response.status_code,
+            "ms": round(elapsed * 1000, 2), "request_id": request.state.request_id}})
+        return response
+
+
+# ------------------------------------------------------------------------------------- the app
+async def build_context(settings: Settings, metrics: Metrics | None = None) -> Context:
+    if settings.auto_migrate:
+        await asyncio.to_thread(dbmod.upgrade, settings.database_url)
+    database = dbmod.Database(settings.database_url, pool_size=settings.db_pool_size)
+    redis_client = None
+    index: Any
+    if settings.redis_url:
+        import redis.asyncio as aioredis
+        from exgrpo_pool.index.redis import RedisIndex
+
+        redis_client = aioredis.from_url(settings.redis_url)
+        index = RedisIndex(redis_client, settings.redis_prefix)
+    else:
+        index = MemoryIndex()
+    return Context(settings=settings, db=database, index=index, metrics=metrics or Metrics(), redis=redis_client)
+
+
+async def rebuild_all(ctx: Context) -> int:
+    """Rebuild the sampling index of every pool from the database (start-up and on demand)."""
+    async with ctx.db.read() as session:
+        names = [p.name for p in await repo.list_pools(session)]
+    total = 0
+    for name in names:
+        total += sum((await rebuild_pool_index(ctx, await load_pool(ctx, name))).values())
+    return total
+
+
+def create_app(settings: Settings) -> FastAPI:
+    configure_logging(settings)
+    metrics = Metrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx = await build_context(settings, metrics)
+        app.state.ctx = ctx
+        indexed = await rebuild_all(ctx)
+        log.info("pool service ready", extra={"fields": {
+            "database": ctx.db.engine.dialect.name, "index": ctx.index.name, "indexed_questions": indexed}})
+        try:
+            yield
+        finally:
+            await ctx.index.close()
+            await ctx.db.close()
+
+    app = FastAPI(
+        title="ExGRPO experience pool",
+        version="0.1.0",
+        description="The experience pool of ExGRPO training runs: questions, runs, batches, replay, tasks.",
+        lifespan=lifespan,
+    )
+    install_handlers(app)
+    install_observability(app, metrics)
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes, import_limit=settings.max_import_bytes)
+
+    @app.get("/healthz", tags=["ops"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"])
+    async def readyz(request: Request) -> JSONResponse:
+        ctx: Context = request.app.state.ctx
+        checks: dict[str, str] = {}
+        try:
+            async with ctx.db.read() as session:
+                await session.execute(text("SELECT 1"))
+            checks["database"] = "ok"
+        except Exception as e:  # readiness reports, it does not raise
+            checks["database"] = f"error: {type(e).__name__}"
+        try:
+            checks["index"] = "ok" if await ctx.index.ping() else "error"
+        except Exception as e:
+            checks["index"] = f"error: {type(e).__name__}"
+        ok = all(v == "ok" for v in checks.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "checks": checks},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics", tags=["ops"])
+    async def metrics_endpoint(request: Request) -> Response:
+        ctx: Context = request.app.state.ctx
+        async with ctx.db.read() as session:
+            ctx.metrics.task_queue_depth.set(await repo.queue_depth(session))
+        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/admin/index/rebuild", tags=["ops"])
+    async def rebuild(request: Request) -> dict[str, int]:
+        from exgrpo_pool.api.deps import get_principal, require_admin
+
+        ctx: Context = request.app.state.ctx
+        require_admin(get_principal(request, ctx))
+        return {"indexed_questions": await rebuild_all(ctx)}
+
+    app.include_router(pools.router)
+    app.include_router(runs.router)
+    app.include_router(batches.router)
+    return app

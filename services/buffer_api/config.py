@@ -1,0 +1,138 @@
+"""Settings of the pool service: environment variables `EXGRPO_*`, optionally a YAML file.
+
+Declared once here, validated at start-up and printed (secrets masked) by `exgrpo serve`.
+`docs/configuration.md` lists the same fields.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+Scope = str  # "admin" | "read" | "write:<pool>" | "write:*"
+
+DEFAULT_DATA_DIR = Path("exgrpo-data")
+
+
+class TokenGrant(BaseModel):
+    """A bearer token and what it may do."""
+
+    token: str = Field(min_length=16)
+    """The secret itself (at least 16 characters)."""
+    name: str = "client"
+    """Who holds it; appears in logs, never the token."""
+    scopes: list[Scope] = Field(default_factory=lambda: ["read"])
+    """`admin` (everything), `read`, `write:<pool>` or `write:*`."""
+
+    @field_validator("scopes")
+    @classmethod
+    def _known_scopes(cls, v: list[str]) -> list[str]:
+        for s in v:
+            if s not in ("admin", "read") and not s.startswith("write:"):
+                raise ValueError(f"unknown scope {s!r}: use admin, read, write:<pool> or write:*")
+        return v
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Reads the file named by EXGRPO_CONFIG_FILE (lower priority than environment variables)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("EXGRPO_CONFIG_FILE")
+        if not path:
+            return {}
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"EXGRPO_CONFIG_FILE {path}: expected a mapping at the top level")
+        return data
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="EXGRPO_", env_nested_delimiter="__", env_ignore_empty=True, extra="ignore"
+    )
+
+    database_url: str = f"sqlite+aiosqlite:///{DEFAULT_DATA_DIR / 'pool.db'}"
+    """SQLAlchemy async URL. `postgresql+asyncpg://...` for Postgres; a SQLite file by default."""
+    redis_url: str | None = None
+    """`redis://host:6379/0` puts the sampling index and idempotency cache in Redis; unset keeps
+    them in process (one service process only)."""
+    redis_prefix: str = "exgrpo"
+    """Prefix of every Redis key, so several deployments can share one Redis."""
+    host: str = "127.0.0.1"
+    """Address to bind. The default only accepts connections from this machine."""
+    port: int = Field(8700, ge=1, le=65535)
+    """TCP port."""
+    tokens: list[TokenGrant] = Field(default_factory=list)
+    """Bearer tokens with scopes (JSON list in EXGRPO_TOKENS)."""
+    allow_anonymous: bool = False
+    """Serve requests without a token. Anonymous callers get every scope on a loopback bind and
+    only `read` otherwise."""
+    max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    """Largest accepted request body (pool import streams have their own limit)."""
+    max_import_bytes: int = Field(16 * 1024**3, ge=1024)
+    """Largest accepted pool import stream."""
+    auto_migrate: bool = True
+    """Apply database migrations on start (`exgrpo db upgrade` does it by hand)."""
+    task_max_attempts: int = Field(3, ge=1)
+    """A generation task that failed this many times stays failed."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of the service."""
+    log_json: bool = True
+    """One JSON object per log line (False: plain text)."""
+    db_pool_size: int = Field(10, ge=1)
+    """Connections kept open to Postgres."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _YamlSource(settings_cls), file_secret_settings
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if not self.database_url.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
+            raise ValueError(
+                "EXGRPO_DATABASE_URL must start with sqlite+aiosqlite:// or postgresql+asyncpg://, "
+                f"got {self.database_url.split('://')[0]}://..."
+            )
+        if not self.tokens and not self.allow_anonymous:
+            raise ValueError(
+                "no way in: set EXGRPO_TOKENS (bearer tokens with scopes) or EXGRPO_ALLOW_ANONYMOUS=true"
+            )
+        return self
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def public_dict(self) -> dict[str, Any]:
+        """What is printed at start-up: everything but secrets."""
+        d = self.model_dump()
+        d["tokens"] = [{"name": t.name, "scopes": t.scopes} for t in self.tokens]
+        if "@" in d["database_url"]:
+            scheme, rest = d["database_url"].split("://", 1)
+            d["database_url"] = f"{scheme}://***@{rest.split('@', 1)[1]}"
+        return d

@@ -1,0 +1,40 @@
+"""The hot sampling index: per scope (a run, or a pooled pool), bucket k -> question ids.
+
+Members of a bucket are kept ordered by question id, so "the i-th member" is well defined and a
+seeded draw of ranks picks the same questions in process and in Redis. Everything here can be
+rebuilt from the database (`run_question` rows that are bucketed and not retired).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+#: (question id, new bucket or None to remove from every bucket)
+Move = tuple[int, int | None]
+
+
+class BucketIndex(Protocol):
+    name: str
+
+    async def replace(self, scope: int, members: Mapping[int, Sequence[int]]) -> None:
+        """Make `scope` hold exactly these buckets (atomic for readers)."""
+
+    async def apply(self, scope: int, moves: Sequence[Move]) -> None:
+        """Move questions between buckets; a question is in at most one bucket."""
+
+    async def sizes(self, scope: int) -> dict[int, int]:
+        """Non-empty buckets and their sizes."""
+
+    async def pick(self, scope: int, ranks: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
+        """Question ids at the given ranks (0-based, ascending id order) of each bucket."""
+
+    async def is_loaded(self, scope: int) -> bool:
+        """Whether `scope` was built since the index was last emptied."""
+
+    async def drop(self, scope: int) -> None:
+        """Forget a scope (its run was deleted)."""
+
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,67 @@
+"""In-process bucket index (embedded default; one service process)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from exgrpo_pool.index.base import Move
+from sortedcontainers import SortedList
+
+
+class _Scope:
+    __slots__ = ("bucket_of", "buckets")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, SortedList] = {}
+        self.bucket_of: dict[int, int] = {}
+
+
+class MemoryIndex:
+    name = "memory"
+
+    def __init__(self) -> None:
+        self._scopes: dict[int, _Scope] = {}
+
+    async def replace(self, scope: int, members: Mapping[int, Sequence[int]]) -> None:
+        s = _Scope()
+        for bucket, ids in members.items():
+            if ids:
+                s.buckets[bucket] = SortedList(ids)
+                for q in ids:
+                    s.bucket_of[q] = bucket
+        self._scopes[scope] = s
+
+    async def apply(self, scope: int, moves: Sequence[Move]) -> None:
+        s = self._scopes.setdefault(scope, _Scope())
+        for q, new in moves:
+            old = s.bucket_of.pop(q, None)
+            if old is not None:
+                members = s.buckets[old]
+                members.discard(q)
+                if not members:
+                    del s.buckets[old]
+            if new is not None:
+                s.buckets.setdefault(new, SortedList()).add(q)
+                s.bucket_of[q] = new
+
+    async def sizes(self, scope: int) -> dict[int, int]:
+        s = self._scopes.get(scope)
+        return {} if s is None else {b: len(m) for b, m in s.buckets.items() if m}
+
+    async def pick(self, scope: int, ranks: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
+        s = self._scopes.get(scope)
+        if s is None:
+            return {b: [] for b in ranks}
+        return {b: [s.buckets[b][int(r)] for r in rs] for b, rs in ranks.items()}
+
+    async def is_loaded(self, scope: int) -> bool:
+        return scope in self._scopes
+
+    async def drop(self, scope: int) -> None:
+        self._scopes.pop(scope, None)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        self._scopes.clear()

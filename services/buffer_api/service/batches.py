@@ -1,0 +1,437 @@
+"""Plan and commit of one training step, replay-only selection and direct ingest."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import uuid
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+from exgrpo_client import schemas as s
+from exgrpo_pool.domain import (
+    ExperienceRules,
+    compose_batch,
+    epoch_order,
+    make_rng,
+    next_phase,
+    refresh_active,
+    sample_replay,
+    solved_fraction,
+    take_fresh,
+)
+from exgrpo_pool.errors import BadRequest, Conflict, NotFound
+from exgrpo_pool.service.context import Context
+from exgrpo_pool.service.convert import (
+    messages,
+    rules_for,
+    run_overrides,
+    scope_of,
+    trajectory_public,
+)
+from exgrpo_pool.service.experience import Applied, apply_groups
+from exgrpo_pool.store import repo
+from exgrpo_pool.store.models import Batch, Pool, Run, Trajectory, utcnow
+from sqlalchemy.ext.asyncio import AsyncSession
+
+log = logging.getLogger("exgrpo.pool")
+
+
+# --------------------------------------------------------------------------------- the index
+async def rebuild_index(ctx: Context, session: AsyncSession, scope: int) -> int:
+    members = await repo.bucket_members(session, scope)
+    await ctx.index.replace(scope, members)
+    ctx.metrics.index_rebuilds.inc()
+    return sum(len(v) for v in members.values())
+
+
+async def ensure_index(ctx: Context, session: AsyncSession, scope: int) -> None:
+    if not await ctx.index.is_loaded(scope):
+        await rebuild_index(ctx, session, scope)
+
+
+async def _apply_moves(ctx: Context, scope: int, applied: Applied) -> None:
+    """After the database commit. If the index cannot follow, forget the scope: it is rebuilt from
+    the database on its next use."""
+    try:
+        await ctx.index.apply(scope, applied.moves)
+    except Exception:
+        log.exception("index update failed; scope %s will be rebuilt", scope)
+        await ctx.index.drop(scope)
+
+
+# ----------------------------------------------------------------------------- fresh questions
+async def _epoch(ctx: Context, session: AsyncSession, run: Run) -> np.ndarray | None:
+    if run.epoch < 0:
+        return None
+    key = (run.id, run.epoch)
+    order = ctx.epoch_cache.get(key)
+    if order is None:
+        order = await repo.get_epoch(session, run.id, run.epoch)
+        if order is not None:
+            ctx.epoch_cache = {k: v for k, v in ctx.epoch_cache.items() if k[0] != run.id}
+            ctx.epoch_cache[key] = order
+    return order
+
+
+async def _draw_fresh(
+    ctx: Context, session: AsyncSession, pool: Pool, run: Run, rules: ExperienceRules, scope: int
+) -> np.ndarray:
+    """The next B questions of the run's epoch order (a new epoch starts when fewer remain)."""
+    size = rules.batch_size
+    order = await _epoch(ctx, session, run)
+    nxt = take_fresh(order, run.cursor, size) if order is not None else None
+    if nxt is None:
+        all_ids = await repo.question_ids(session, pool.id)
+        if all_ids.size < size:
+            raise Conflict(
+                f"pool {pool.name!r} has {all_ids.size} questions, fewer than the batch size {size}: "
+                "import more questions or plan with a smaller batch_size"
+            )
+        previous = None if order is None else np.sort(order)
+        active = refresh_active(all_ids, await repo.retired_ids(session, scope), previous, rules)
+        run.epoch += 1
+        order = epoch_order(active, seed=run.seed, epoch=run.epoch)
+        await repo.put_epoch(session, run.id, run.epoch, order)
+        ctx.epoch_cache = {k: v for k, v in ctx.epoch_cache.items() if k[0] != run.id}
+        ctx.epoch_cache[(run.id, run.epoch)] = order
+        nxt = take_fresh(order, 0, size)
+        if nxt is None:
+            raise Conflict(f"run {run.name!r}: only {order.size} active questions, fewer than batch size {size}")
+    ids, run.cursor = nxt
+    return ids
+
+
+# ----------------------------------------------------------------------------- replay choice
+@dataclass
+class _Pick:
+    question_id: int
+    bucket: int
+    probability: float
+    candidates: list[int]
+
+
+async def _pick_replay(
+    ctx: Context,
+    session: AsyncSession,
+    scope: int,
+    sizes: dict[int, int],
+    n: int,
+    rules: ExperienceRules,
+    rng: np.random.Generator,
+    mode: s.CandidateMode,
+) -> list[_Pick]:
+    draws = sample_replay(sizes, n, rules, rng)
+    ranks: dict[int, list[int]] = {}
+    for d in draws:
+        ranks.setdefault(d.bucket, []).append(d.index)
+    ids = await ctx.index.pick(scope, ranks)
+    picks: list[_Pick] = []
+    cursor = dict.fromkeys(ranks, 0)
+    for d in draws:
+        members = ids[d.bucket]
+        if cursor[d.bucket] < len(members):
+            picks.append(_Pick(members[cursor[d.bucket]], d.bucket, d.probability, []))
+        cursor[d.bucket] += 1
+    # the database is the source of truth: drop picks a concurrent writer retired meanwhile
+    states = await repo.get_states(session, scope, [p.question_id for p in picks])
+    valid = [p for p in picks if (st := states.get(p.question_id)) is not None and not st.retired and st.bucket]
+    if len(valid) != len(picks):
+        log.warning("index out of date for scope %s: %d stale picks dropped", scope, len(picks) - len(valid))
+        await ctx.index.drop(scope)
+    trajs = await repo.trajectories_of(session, [p.question_id for p in valid], payload=False)
+    out = []
+    for p in valid:
+        cands = trajs.get(p.question_id, [])
+        if not cands:
+            continue
+        if mode == "lowest_stored_entropy":
+            best = min(cands, key=lambda t: (t.entropy is None, t.entropy or 0.0, t.id))
+            p.candidates = [best.id]
+        elif mode == "all":
+            p.candidates = [t.id for t in cands]
+        out.append(p)
+    return out
+
+
+async def _replay_items(
+    session: AsyncSession, picks: list[dict[str, Any]], k: int, *, with_payload: bool
+) -> list[s.ReplayItem]:
+    qids = [p["q"] for p in picks]
+    questions = await repo.get_questions(session, qids)
+    tids = {t for p in picks for t in p["c"]}
+    trajs = await repo.trajectories_of(session, qids, payload=with_payload) if tids else {}
+    by_id: dict[int, Trajectory] = {t.id: t for ts in trajs.values() for t in ts}
+    names = await repo.run_names(session, [t.source_run_id for t in by_id.values() if t.source_run_id])
+    items = []
+    for p in picks:
+        q = questions[p["q"]]
+        items.append(
+            s.ReplayItem(
+                question_id=q.id,
+                prompt=messages(q.prompt),
+                ground_truth=q.ground_truth,
+                data_source=q.data_source,
+                num_samples=k - 1,
+                bucket=p["b"],
+                probability=p["p"],
+                candidates=[trajectory_public(by_id[t], names, payload=with_payload) for t in p["c"] if t in by_id],
+            )
+        )
+    return items
+
+
+async def _plan_public(session: AsyncSession, pool: Pool, run: Run, batch: Batch) -> s.BatchPlan:
+    plan = batch.plan
+    k = plan["k"]
+    questions = await repo.get_questions(session, plan["fresh"])
+    fresh = [
+        s.FreshItem(
+            question_id=q.id,
+            prompt=messages(q.prompt),
+            ground_truth=q.ground_truth,
+            data_source=q.data_source,
+            num_samples=k,
+        )
+        for q in (questions[i] for i in plan["fresh"])
+    ]
+    replay = await _replay_items(session, plan["replay"], k, with_payload=True)
+    return s.BatchPlan(
+        id=batch.id,
+        run=run.name,
+        pool=pool.name,
+        step=batch.step,
+        phase=batch.phase,  # type: ignore[arg-type]
+        status=batch.status,  # type: ignore[arg-type]
+        policy_version=batch.policy_version,
+        k=k,
+        fresh=fresh,
+        replay=replay,
+        num_eligible=plan["num_eligible"],
+        skipped_fresh=plan["skipped_fresh"],
+        epoch=plan["epoch"],
+        created_at=batch.created_at,
+    )
+
+
+async def _get_run(session: AsyncSession, pool: Pool, name: str, *, lock: bool = False) -> Run:
+    run = await repo.get_run(session, pool.id, name, lock=lock)
+    if run is None:
+        raise NotFound(f"run {name!r} does not exist in pool {pool.name!r}; create it with POST "
+                       f"/v1/pools/{pool.name}/runs")
+    return run
+
+
+# ------------------------------------------------------------------------------------ plan
+async def plan_batch(ctx: Context, pool: Pool, run_name: str, req: s.BatchCreate) -> s.BatchPlan:
+    async with ctx.db.write() as session:
+        run = await _get_run(session, pool, run_name, lock=True)
+        step = run.step + 1
+        existing = await repo.open_batch(session, run.id, step)
+        if existing is not None and not req.replan:
+            return await _plan_public(session, pool, run, existing)
+        if existing is not None:
+            existing.status = "abandoned"
+            await repo.cancel_batch_tasks(session, existing.id)
+        rules = rules_for(pool, run)
+        rules = replace(
+            rules,
+            batch_size=req.batch_size or rules.batch_size,
+            experience_ratio=rules.experience_ratio if req.experience_ratio is None else req.experience_ratio,
+        )
+        scope = scope_of(pool, run)
+        await ensure_index(ctx, session, scope)
+        sizes = await ctx.index.sizes(scope)
+        experience = run_overrides(run).experience
+        phase = run.phase if experience else "on_policy"
+        comp = compose_batch(sum(sizes.values()), rules, phase=phase)  # type: ignore[arg-type]
+        drawn = await _draw_fresh(ctx, session, pool, run, rules, scope)
+        fresh = [int(q) for q in drawn[: rules.batch_size - comp.num_replay]]
+        rng = make_rng(run.seed, step, "replay")
+        picks = await _pick_replay(ctx, session, scope, sizes, comp.num_replay, rules, rng, req.candidates)
+        # a pick can vanish (stale index); its slot goes to the next loader-drawn question
+        fill = rules.batch_size - len(fresh) - len(picks)
+        if fill > 0:
+            fresh += [int(q) for q in drawn[len(fresh) : len(fresh) + fill]]
+        batch = Batch(
+            id=str(uuid.uuid4()),
+            run_id=run.id,
+            step=step,
+            status="planned",
+            phase=phase,
+            policy_version=run.policy_version,
+            plan={
+                "k": rules.k,
+                "fresh": fresh,
+                "replay": [
+                    {"q": p.question_id, "b": p.bucket, "p": p.probability, "c": p.candidates} for p in picks
+                ],
+                "num_eligible": sum(sizes.values()),
+                "skipped_fresh": rules.batch_size - len(fresh),
+                "epoch": run.epoch,
+                "batch_size": rules.batch_size,
+            },
+            created_at=utcnow(),
+        )
+        session.add(batch)
+        if req.create_tasks:
+            await session.flush()
+            await repo.insert_tasks(
+                session,
+                [
+                    {"batch_id": batch.id, "run_id": run.id, "question_id": q, "num_samples": rules.k,
+                     "replayed": False, "policy_version": run.policy_version, "status": "pending",
+                     "attempts": 0, "created_at": utcnow(), "updated_at": utcnow()}
+                    for q in fresh
+                ]
+                + [
+                    {"batch_id": batch.id, "run_id": run.id, "question_id": p.question_id,
+                     "num_samples": rules.k - 1, "replayed": True, "policy_version": run.policy_version,
+                     "status": "pending", "attempts": 0, "created_at": utcnow(), "updated_at": utcnow()}
+                    for p in picks
+                ],
+            )
+        run.updated_at = utcnow()
+        ctx.metrics.batches_planned.labels(pool.name).inc()
+        ctx.metrics.replay_picks.labels(pool.name).inc(len(picks))
+        return await _plan_public(session, pool, run, batch)
+
+
+async def get_batch_plan(ctx: Context, pool: Pool, batch_id: str) -> s.BatchPlan:
+    async with ctx.db.read() as session:
+        batch, run = await _batch_and_run(session, pool, batch_id)
+        return await _plan_public(session, pool, run, batch)
+
+
+async def _batch_and_run(session: AsyncSession, pool: Pool, batch_id: str, *, lock: bool = False) -> tuple[Batch, Run]:
+    batch = await repo.get_batch(session, batch_id)
+    run = None if batch is None else await repo.get_run_by_id(session, batch.run_id, lock=lock)
+    if batch is None or run is None or run.pool_id != pool.id:
+        raise NotFound(f"batch {batch_id!r} does not exist in pool {pool.name!r}")
+    return batch, run
+
+
+# ---------------------------------------------------------------------------------- commit
+def _check_against_plan(batch: Batch, groups: list[s.GroupResult]) -> None:
+    plan = batch.plan
+    expected = Counter([(q, False) for q in plan["fresh"]] + [(p["q"], True) for p in plan["replay"]])
+    got = Counter((g.question_id, any(r.replayed for r in g.rollouts)) for g in groups)
+    if expected == got:
+        return
+    missing = sorted(q for (q, rep), n in (expected - got).items() for _ in range(n))
+    extra = sorted(q for (q, rep), n in (got - expected).items() for _ in range(n))
+    raise BadRequest(
+        f"groups do not match batch {batch.id}: missing question ids {missing[:20]}, unexpected {extra[:20]} "
+        "(send one group per planned question; a replayed question's group marks its stored "
+        "trajectory with replayed=true)"
+    )
+
+
+async def commit_batch(ctx: Context, pool: Pool, batch_id: str, req: s.BatchCommit) -> s.CommitResult:
+    async with ctx.db.write() as session:
+        batch, run = await _batch_and_run(session, pool, batch_id, lock=True)
+        if batch.status == "committed":
+            assert batch.result is not None
+            return s.CommitResult.model_validate(batch.result, strict=False)
+        if batch.status == "abandoned":
+            raise Conflict(f"batch {batch_id} was abandoned (re-planned); plan a new batch")
+        if batch.step != run.step + 1:
+            raise Conflict(f"batch {batch_id} is for step {batch.step} but run {run.name!r} is at step "
+                           f"{run.step}; plan a new batch")
+        _check_against_plan(batch, req.groups)
+        rules = rules_for(pool, run)
+        scope = scope_of(pool, run)
+        version = batch.policy_version if req.policy_version is None else req.policy_version
+        applied = await apply_groups(
+            session, pool_id=pool.id, run_id=run.id, scope=scope, rules=rules, groups=req.groups,
+            collect=batch.phase == "mixed", step=batch.step, policy_version=version,
+        )
+        solved = solved_fraction(r.reward for g in req.groups for r in g.rollouts)
+        switched = False
+        if run_overrides(run).experience and run.phase == "on_policy":
+            if next_phase("on_policy", solved, rules) == "mixed":
+                run.phase, run.switched_at_step, switched = "mixed", batch.step, True
+        run.step = batch.step
+        run.policy_version = max(run.policy_version, version)
+        run.updated_at = utcnow()
+        result = _result(batch.id, run, solved, switched, applied)
+        batch.status = "committed"
+        batch.result = result.model_dump()
+        batch.metrics = {**req.metrics, "batch/solved": solved}
+        batch.committed_at = utcnow()
+    await _apply_moves(ctx, scope, applied)
+    ctx.metrics.batches_committed.labels(pool.name).inc()
+    ctx.metrics.run_solved.labels(pool.name, run.name).set(solved)
+    _count(ctx, pool, applied)
+    return result
+
+
+def _result(batch_id: str | None, run: Run, solved: float, switched: bool, a: Applied) -> s.CommitResult:
+    return s.CommitResult(
+        batch_id=batch_id,
+        run=run.name,
+        step=run.step,
+        phase=run.phase,  # type: ignore[arg-type]
+        switched=switched,
+        solved_fraction=solved,
+        retired=a.retired,
+        collected_groups=a.collected,
+        ignored_groups=a.ignored,
+        stored_trajectories=a.stored,
+        duplicate_trajectories=a.duplicates,
+        bucket_moves=a.bucket_moves,
+    )
+
+
+def _count(ctx: Context, pool: Pool, a: Applied) -> None:
+    ctx.metrics.trajectories_ingested.labels(pool.name).inc(a.stored)
+    ctx.metrics.trajectories_duplicate.labels(pool.name).inc(a.duplicates)
+    ctx.metrics.retired.labels(pool.name).inc(a.retired)
+
+
+# ---------------------------------------------------------------------------------- ingest
+async def ingest(ctx: Context, pool: Pool, run_name: str, req: s.IngestRequest) -> s.CommitResult:
+    """Graded groups from a producer outside the trainer: the collection rules apply whatever the
+    run's phase (the delayed start only gates the trainer's own batches)."""
+    async with ctx.db.write() as session:
+        run = await _get_run(session, pool, run_name, lock=True)
+        qids = sorted({g.question_id for g in req.groups})
+        found = await repo.get_questions(session, qids)
+        missing = [q for q in qids if q not in found or found[q].pool_id != pool.id]
+        if missing:
+            raise BadRequest(f"question ids {missing[:20]} are not in pool {pool.name!r}")
+        scope = scope_of(pool, run)
+        applied = await apply_groups(
+            session, pool_id=pool.id, run_id=run.id, scope=scope, rules=rules_for(pool, run),
+            groups=req.groups, collect=True, step=run.step if req.step is None else req.step,
+            policy_version=req.policy_version,
+        )
+        solved = solved_fraction(r.reward for g in req.groups for r in g.rollouts)
+        result = _result(None, run, solved, False, applied)
+    await _apply_moves(ctx, scope, applied)
+    _count(ctx, pool, applied)
+    return result
+
+
+# ---------------------------------------------------------------------------------- select
+async def select_replay(ctx: Context, pool: Pool, run_name: str, req: s.SelectRequest) -> s.SelectResult:
+    async with ctx.db.read() as session:
+        run = await _get_run(session, pool, run_name)
+        scope = scope_of(pool, run)
+        await ensure_index(ctx, session, scope)
+        sizes = await ctx.index.sizes(scope)
+        seed = secrets.randbits(63) if req.seed is None else req.seed
+        rules = rules_for(pool, run)
+        picks = await _pick_replay(
+            ctx, session, scope, sizes, req.n, rules, make_rng(run.seed, seed, "select"), req.candidates
+        )
+        items = await _replay_items(
+            session,
+            [{"q": p.question_id, "b": p.bucket, "p": p.probability, "c": p.candidates} for p in picks],
+            rules.k,
+            with_payload=True,
+        )
+    ctx.metrics.replay_picks.labels(pool.name).inc(len(items))
+    return s.SelectResult(run=run.name, num_eligible=sum(sizes.values()), replay=items)

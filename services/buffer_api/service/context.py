@@ -1,0 +1,23 @@
+"""Everything a service function needs, built once per app by the lifespan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from exgrpo_pool.config import Settings
+from exgrpo_pool.index.base import BucketIndex
+from exgrpo_pool.metrics import Metrics
+from exgrpo_pool.store.db import Database
+
+
+@dataclass
+class Context:
+    settings: Settings
+    db: Database
+    index: BucketIndex
+    metrics: Metrics
+    redis: Any | None = None
+    #: (run id, epoch) -> shuffled fresh-question order; loaded from `run_epoch` on a miss.
+    epoch_cache: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)

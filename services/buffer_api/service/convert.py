@@ -1,0 +1,153 @@
+"""Store rows <-> wire models, rules, and packed payload arrays."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+from exgrpo_client import schemas as s
+from exgrpo_pool.domain import ExperienceRules
+from exgrpo_pool.errors import BadRequest
+from exgrpo_pool.store.models import POOLED_SCOPE, Pool, Question, Run, Trajectory
+
+
+def pool_config(pool: Pool) -> s.PoolConfig:
+    return s.PoolConfig.model_validate(pool.config, strict=False)
+
+
+def run_overrides(run: Run) -> s.RunOverrides:
+    return s.RunOverrides.model_validate(run.overrides, strict=False)
+
+
+def rules_for(pool: Pool, run: Run | None = None) -> ExperienceRules:
+    c = pool_config(pool)
+    o = run_overrides(run) if run is not None else s.RunOverrides()
+    return ExperienceRules(
+        k=c.k,
+        lbound=c.lbound,
+        rbound=c.rbound,
+        weighting=c.weighting,
+        mu=c.mu,
+        sigma=c.sigma,
+        unit=c.unit,
+        experience_ratio=c.experience_ratio if o.experience_ratio is None else o.experience_ratio,
+        batch_size=c.batch_size if o.batch_size is None else o.batch_size,
+        start_threshold=c.start_threshold if o.start_threshold is None else o.start_threshold,
+        active_refresh_margin=c.active_refresh_margin,
+    )
+
+
+def scope_of(pool: Pool, run: Run) -> int:
+    return POOLED_SCOPE if pool_config(pool).sharing == "pooled" else run.id
+
+
+def content_hash(prompt: list[dict[str, Any]], ground_truth: str) -> bytes:
+    canon = json.dumps({"p": prompt, "g": ground_truth}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(canon.encode()).digest()[:16]
+
+
+def pool_public(pool: Pool, counts: tuple[int, int, int]) -> s.PoolPublic:
+    return s.PoolPublic(
+        id=pool.id,
+        name=pool.name,
+        description=pool.description,
+        config=pool_config(pool),
+        num_questions=counts[0],
+        num_trajectories=counts[1],
+        num_runs=counts[2],
+        created_at=pool.created_at,
+        updated_at=pool.updated_at,
+    )
+
+
+def run_public(run: Run, pool_name: str) -> s.RunPublic:
+    return s.RunPublic(
+        id=run.id,
+        name=run.name,
+        pool=pool_name,
+        seed=run.seed,
+        phase=run.phase,  # type: ignore[arg-type]
+        switched_at_step=run.switched_at_step,
+        step=run.step,
+        policy_version=run.policy_version,
+        epoch=max(run.epoch, 0),
+        cursor=run.cursor,
+        overrides=run_overrides(run),
+        created_at=run.created_at,
+        updated_at=run.updated_at,
+    )
+
+
+def messages(prompt: list[dict[str, Any]]) -> list[s.ChatMessage]:
+    return [s.ChatMessage.model_validate(m, strict=False) for m in prompt]
+
+
+def question_public(q: Question, pool_name: str) -> s.QuestionPublic:
+    return s.QuestionPublic(
+        id=q.id,
+        pool=pool_name,
+        prompt=messages(q.prompt),
+        ground_truth=q.ground_truth,
+        data_source=q.data_source,
+        external_id=q.external_id,
+        metadata=q.meta,
+        created_at=q.created_at,
+    )
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def trajectory_public(t: Trajectory, run_names: dict[int, str], *, payload: bool) -> s.TrajectoryPublic:
+    return s.TrajectoryPublic(
+        id=t.id,
+        question_id=t.question_id,
+        source_run=run_names.get(t.source_run_id) if t.source_run_id is not None else None,
+        policy_version=t.policy_version,
+        step=t.step,
+        reward=t.reward,
+        entropy=t.entropy,
+        num_tokens=t.num_tokens,
+        created_at=t.created_at,
+        token_ids_b64=b64(t.token_ids) if payload else None,
+        logprobs_b64=b64(t.logprobs) if payload else None,
+    )
+
+
+def decode_payload(r: s.Payload, where: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(int32 ids, float32 log-probs) of a rollout, validated; None if it carries no payload."""
+    try:
+        if r.token_ids is not None:
+            ids = np.asarray(r.token_ids, dtype=np.int64)
+        elif r.token_ids_b64 is not None:
+            ids = np.frombuffer(base64.b64decode(r.token_ids_b64, validate=True), dtype="<i4").astype(np.int64)
+        else:
+            return None
+        if r.logprobs is not None:
+            lps = np.asarray(r.logprobs, dtype=np.float32)
+        elif r.logprobs_b64 is not None:
+            lps = np.frombuffer(base64.b64decode(r.logprobs_b64, validate=True), dtype="<f4")
+        else:
+            return None
+    except ValueError as e:
+        raise BadRequest(f"{where}: payload is not valid packed data ({e}); send base64 of little-endian "
+                         "int32 ids and float32 log-probs") from e
+    if ids.size == 0:
+        raise BadRequest(f"{where}: a trajectory needs at least one token")
+    if ids.size > s.MAX_TOKENS_PER_TRAJECTORY:
+        raise BadRequest(f"{where}: {ids.size} tokens, more than the limit {s.MAX_TOKENS_PER_TRAJECTORY}")
+    if ids.size != lps.size:
+        raise BadRequest(
+            f"{where}: {ids.size} token ids but {lps.size} log-probs; send one log-prob per token"
+        )
+    if (ids < 0).any() or (ids >= 2**31).any():
+        raise BadRequest(f"{where}: token ids must be in [0, 2^31)")
+    if not np.isfinite(lps).all():
+        raise BadRequest(f"{where}: log-probs must be finite numbers (found NaN or infinity)")
+    if (lps > 1e-3).any():
+        raise BadRequest(f"{where}: log-probs must be <= 0 (they are log-probabilities)")
+    return ids.astype("<i4"), lps.astype("<f4")

@@ -1,0 +1,147 @@
+"""The collection rules (spec 2-3) applied to graded groups: shared by batch commit and ingest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from exgrpo_client import schemas as s
+from exgrpo_pool.domain import ExperienceRules, GroupAction, decide_group, trajectory_key
+from exgrpo_pool.errors import BadRequest
+from exgrpo_pool.index.base import Move
+from exgrpo_pool.service.convert import decode_payload
+from exgrpo_pool.store import repo
+from exgrpo_pool.store.models import utcnow
+from sqlalchemy.ext.asyncio import AsyncSession
+
+
+@dataclass
+class Applied:
+    retired: int = 0
+    collected: int = 0
+    ignored: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    bucket_moves: int = 0
+    moves: list[Move] = field(default_factory=list)
+
+
+@dataclass
+class _Final:
+    """Where a question ends up after all its groups in one request (a question may appear in
+    two groups of one batch: once fresh and once replayed)."""
+
+    last_k: int
+    kind: str = "ignore"
+    bucket: int | None = None
+
+
+def check_group_sizes(groups: list[s.GroupResult], rules: ExperienceRules) -> None:
+    for i, g in enumerate(groups):
+        if len(g.rollouts) != rules.k:
+            raise BadRequest(
+                f"groups[{i}] (question {g.question_id}) has {len(g.rollouts)} rollouts, but the pool's "
+                f"K is {rules.k}: send exactly K rollouts per group (replayed row included)"
+            )
+        replayed = sum(r.replayed for r in g.rollouts)
+        if replayed > 1:
+            raise BadRequest(f"groups[{i}] (question {g.question_id}) marks {replayed} rollouts as replayed; "
+                             "a group has at most one replayed trajectory")
+
+
+async def apply_groups(
+    session: AsyncSession,
+    *,
+    pool_id: int,
+    run_id: int,
+    scope: int,
+    rules: ExperienceRules,
+    groups: list[s.GroupResult],
+    collect: bool,
+    step: int,
+    policy_version: int,
+) -> Applied:
+    """Retire, bucket and store in the caller's transaction. Validates everything before the first
+    write, so a bad request changes nothing (and the transaction rolls back on any error anyway)."""
+    check_group_sizes(groups, rules)
+    out = Applied()
+    finals: dict[int, _Final] = {}
+    traj_rows: list[dict[str, Any]] = []
+    now = utcnow()
+    for gi, g in enumerate(groups):
+        decision = decide_group([r.reward for r in g.rollouts], rules, collect=collect)
+        final = finals.setdefault(g.question_id, _Final(last_k=decision.num_correct))
+        final.last_k = decision.num_correct
+        if decision.action == GroupAction.RETIRE:
+            out.retired += 1
+            final.kind, final.bucket = "retire", None
+        elif decision.action == GroupAction.COLLECT:
+            out.collected += 1
+            if final.kind != "retire":
+                final.kind, final.bucket = "collect", decision.bucket
+            for ri in decision.store:
+                r = g.rollouts[ri]
+                if r.replayed:
+                    continue  # the stored trajectory itself: already in the pool
+                where = f"groups[{gi}].rollouts[{ri}] (question {g.question_id})"
+                payload = decode_payload(r, where)
+                if payload is None:
+                    raise BadRequest(f"{where} is correct and its group is collected: send its token ids "
+                                     "and log-probs")
+                ids, lps = payload
+                traj_rows.append(
+                    {
+                        "question_id": g.question_id,
+                        "pool_id": pool_id,
+                        "source_run_id": run_id,
+                        "policy_version": policy_version,
+                        "step": step,
+                        "token_ids": ids.tobytes(),
+                        "logprobs": lps.tobytes(),
+                        "num_tokens": int(ids.size),
+                        "reward": float(r.reward),
+                        "entropy": r.entropy,
+                        "dedup_key": trajectory_key(ids),
+                        "created_at": now,
+                    }
+                )
+        else:
+            out.ignored += 1
+        for ri, r in enumerate(g.rollouts):
+            if decision.action != GroupAction.COLLECT or ri not in decision.store:
+                # payloads we do not store are still checked, so bad data is refused consistently
+                decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
+
+    old = await repo.get_states(session, scope, list(finals))
+    by_kind: dict[str, list[dict[str, Any]]] = {"collect": [], "retire": [], "ignore": []}
+    for qid, f in finals.items():
+        prev = old.get(qid)
+        was_retired = prev is not None and prev.retired
+        prev_bucket = None if prev is None or was_retired else prev.bucket
+        by_kind[f.kind].append(
+            {
+                "scope": scope,
+                "question_id": qid,
+                "pool_id": pool_id,
+                "last_k": f.last_k,
+                "bucket": f.bucket if f.kind == "collect" else None,
+                "retired": f.kind == "retire",
+                "last_step": step,
+                "last_run_id": run_id,
+                "updated_at": now,
+            }
+        )
+        new_bucket = prev_bucket
+        if f.kind == "retire":
+            new_bucket = None
+        elif f.kind == "collect" and not was_retired:
+            new_bucket = f.bucket
+        if new_bucket != prev_bucket or (f.kind == "retire" and not was_retired):
+            out.moves.append((qid, new_bucket))
+            out.bucket_moves += int(new_bucket != prev_bucket)
+    for kind, rows in by_kind.items():
+        await repo.upsert_states(session, kind, rows)
+    candidates = len(traj_rows)
+    out.stored = await repo.insert_trajectories(session, traj_rows)
+    out.duplicates = candidates - out.stored
+    return out

@@ -1,0 +1,258 @@
+"""Pools, questions, runs, policy versions, stats and question detail."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from exgrpo_client import schemas as s
+from exgrpo_pool.errors import Conflict, NotFound
+from exgrpo_pool.service.batches import _get_run, rebuild_index
+from exgrpo_pool.service.context import Context
+from exgrpo_pool.service.convert import (
+    content_hash,
+    pool_config,
+    pool_public,
+    question_public,
+    run_public,
+    scope_of,
+    trajectory_public,
+)
+from exgrpo_pool.store import repo
+from exgrpo_pool.store.models import POOLED_SCOPE, PolicyVersion, Pool, Run, utcnow
+from sqlalchemy.exc import IntegrityError
+
+
+async def load_pool(ctx: Context, name: str) -> Pool:
+    async with ctx.db.read() as session:
+        pool = await repo.get_pool(session, name)
+    if pool is None:
+        raise NotFound(f"pool {name!r} does not exist; list pools with GET /v1/pools or create it")
+    return pool
+
+
+# ------------------------------------------------------------------------------------- pools
+async def create_pool(ctx: Context, req: s.PoolCreate) -> s.PoolPublic:
+    try:
+        async with ctx.db.write() as session:
+            if await repo.get_pool(session, req.name) is not None:
+                raise Conflict(f"pool {req.name!r} already exists")
+            now = utcnow()
+            pool = Pool(name=req.name, description=req.description, config=req.config.model_dump(),
+                        created_at=now, updated_at=now)
+            session.add(pool)
+    except IntegrityError as e:
+        raise Conflict(f"pool {req.name!r} already exists") from e
+    return pool_public(pool, (0, 0, 0))
+
+
+async def update_pool(ctx: Context, name: str, req: s.PoolUpdate) -> s.PoolPublic:
+    async with ctx.db.write() as session:
+        pool = await repo.get_pool(session, name)
+        if pool is None:
+            raise NotFound(f"pool {name!r} does not exist")
+        if req.config is not None:
+            old = pool_config(pool)
+            if req.config.k != old.k or req.config.sharing != old.sharing:
+                raise Conflict("k and sharing cannot change after creation (stored groups and buckets "
+                               "depend on them); create a new pool and import into it")
+            pool.config = req.config.model_dump()
+        if req.description is not None:
+            pool.description = req.description
+        pool.updated_at = utcnow()
+        counts = await repo.pool_counts(session, pool.id)
+    return pool_public(pool, counts)
+
+
+async def list_pools(ctx: Context) -> s.PoolsPublic:
+    async with ctx.db.read() as session:
+        pools = await repo.list_pools(session)
+        data = [pool_public(p, await repo.pool_counts(session, p.id)) for p in pools]
+    return s.PoolsPublic(data=data, count=len(data))
+
+
+async def show_pool(ctx: Context, name: str) -> s.PoolPublic:
+    async with ctx.db.read() as session:
+        pool = await repo.get_pool(session, name)
+        if pool is None:
+            raise NotFound(f"pool {name!r} does not exist")
+        return pool_public(pool, await repo.pool_counts(session, pool.id))
+
+
+# --------------------------------------------------------------------------------- questions
+async def import_questions(ctx: Context, pool: Pool, req: s.QuestionsImport) -> s.QuestionsImported:
+    now = utcnow()
+    rows = []
+    for q in req.questions:
+        prompt = [m.model_dump() for m in q.prompt]
+        rows.append(
+            {
+                "pool_id": pool.id,
+                "content_hash": content_hash(prompt, q.ground_truth),
+                "prompt": prompt,
+                "ground_truth": q.ground_truth,
+                "data_source": q.data_source,
+                "external_id": q.external_id,
+                "metadata": q.metadata,
+                "created_at": now,
+            }
+        )
+    async with ctx.db.write() as session:
+        inserted = await repo.insert_questions(session, rows)
+        total = await repo.count_questions(session, pool.id)
+    ctx.metrics.questions_imported.labels(pool.name).inc(inserted)
+    ctx.metrics.pool_questions.labels(pool.name).set(total)
+    return s.QuestionsImported(
+        received=len(rows), inserted=inserted, duplicates=len(rows) - inserted, num_questions=total
+    )
+
+
+async def list_questions(ctx: Context, pool: Pool, after: int, limit: int) -> s.QuestionsPublic:
+    async with ctx.db.read() as session:
+        qs = await repo.list_questions(session, pool.id, after, limit)
+    data = [question_public(q, pool.name) for q in qs]
+    return s.QuestionsPublic(data=data, count=len(data), next_after=qs[-1].id if len(qs) == limit else None)
+
+
+async def question_detail(ctx: Context, pool: Pool, qid: int, *, payload: bool) -> s.QuestionDetail:
+    async with ctx.db.read() as session:
+        q = (await repo.get_questions(session, [qid])).get(qid)
+        if q is None or q.pool_id != pool.id:
+            raise NotFound(f"question {qid} does not exist in pool {pool.name!r}")
+        trajs = (await repo.trajectories_of(session, [qid], payload=payload))[qid]
+        states = await repo.question_states(session, qid)
+        names = await repo.run_names(
+            session, [t.source_run_id for t in trajs if t.source_run_id] + [st.scope for st in states]
+        )
+    base = question_public(q, pool.name)
+    return s.QuestionDetail(
+        **base.model_dump(),
+        trajectories=[trajectory_public(t, names, payload=payload) for t in trajs],
+        runs=[
+            s.QuestionRunState(
+                run="*" if st.scope == POOLED_SCOPE else names.get(st.scope, str(st.scope)),
+                num_correct=st.last_k,
+                bucket=st.bucket,
+                retired=st.retired,
+                last_step=st.last_step,
+            )
+            for st in states
+        ],
+    )
+
+
+# -------------------------------------------------------------------------------------- runs
+async def create_run(ctx: Context, pool: Pool, req: s.RunCreate) -> s.RunPublic:
+    try:
+        async with ctx.db.write() as session:
+            if await repo.get_run(session, pool.id, req.name) is not None:
+                raise Conflict(f"run {req.name!r} already exists in pool {pool.name!r}")
+            now = utcnow()
+            run = Run(pool_id=pool.id, name=req.name, seed=req.seed, phase=req.phase,
+                      overrides=req.overrides.model_dump(), created_at=now, updated_at=now,
+                      step=0, policy_version=0, epoch=-1, cursor=0)
+            session.add(run)
+            await session.flush()
+            if req.phase == "mixed":
+                run.switched_at_step = 0
+    except IntegrityError as e:
+        raise Conflict(f"run {req.name!r} already exists in pool {pool.name!r}") from e
+    return run_public(run, pool.name)
+
+
+async def list_runs(ctx: Context, pool: Pool) -> s.RunsPublic:
+    async with ctx.db.read() as session:
+        runs = await repo.list_runs(session, pool.id)
+    return s.RunsPublic(data=[run_public(r, pool.name) for r in runs], count=len(runs))
+
+
+async def show_run(ctx: Context, pool: Pool, name: str) -> s.RunPublic:
+    async with ctx.db.read() as session:
+        return run_public(await _get_run(session, pool, name), pool.name)
+
+
+async def update_run(ctx: Context, pool: Pool, name: str, req: s.RunUpdate) -> s.RunPublic:
+    async with ctx.db.write() as session:
+        run = await _get_run(session, pool, name, lock=True)
+        if req.phase is not None and req.phase != run.phase:
+            run.phase = req.phase
+            run.switched_at_step = run.step if req.phase == "mixed" else None
+        if req.overrides is not None:
+            run.overrides = req.overrides.model_dump()
+        run.updated_at = utcnow()
+        return run_public(run, pool.name)
+
+
+async def add_policy_version(
+    ctx: Context, pool: Pool, name: str, req: s.PolicyVersionCreate
+) -> s.PolicyVersionPublic:
+    async with ctx.db.write() as session:
+        run = await _get_run(session, pool, name, lock=True)
+        existing = await repo.get_policy_version(session, run.id, req.version)
+        if existing is not None:
+            if existing.uri != req.uri:
+                raise Conflict(f"run {name!r} already has policy version {req.version} at {existing.uri}")
+            pv = existing
+        else:
+            pv = PolicyVersion(run_id=run.id, version=req.version, uri=req.uri, step=req.step,
+                               created_at=utcnow())
+            session.add(pv)
+        run.policy_version = max(run.policy_version, req.version)
+        run.updated_at = utcnow()
+    return s.PolicyVersionPublic(version=pv.version, uri=pv.uri, step=pv.step, created_at=pv.created_at)
+
+
+async def list_policy_versions(ctx: Context, pool: Pool, name: str) -> s.PolicyVersionsPublic:
+    async with ctx.db.read() as session:
+        run = await _get_run(session, pool, name)
+        pvs = await repo.policy_versions(session, run.id)
+    data = [s.PolicyVersionPublic(version=p.version, uri=p.uri, step=p.step, created_at=p.created_at) for p in pvs]
+    return s.PolicyVersionsPublic(data=data, count=len(data))
+
+
+# ------------------------------------------------------------------------------------- stats
+async def _run_stats(ctx: Context, session: repo.AsyncSession, pool: Pool, run: Run) -> s.RunStats:
+    hist, retired, seen = await repo.state_counts(session, scope_of(pool, run))
+    total, recent = await repo.run_trajectory_counts(session, run.id, utcnow() - timedelta(minutes=5))
+    last = await repo.last_committed_batch(session, run.id)
+    eligible = sum(hist.values())
+    ctx.metrics.run_eligible.labels(pool.name, run.name).set(eligible)
+    ctx.metrics.run_retired.labels(pool.name, run.name).set(retired)
+    return s.RunStats(
+        run=run.name,
+        pool=pool.name,
+        phase=run.phase,  # type: ignore[arg-type]
+        step=run.step,
+        policy_version=run.policy_version,
+        buckets=[s.BucketCount(bucket=b, questions=n) for b, n in sorted(hist.items())],
+        eligible=eligible,
+        retired=retired,
+        seen=seen,
+        trajectories=total,
+        replayed_last_step=0 if last is None else len(last.plan["replay"]),
+        ingest_per_minute=recent / 5.0,
+    )
+
+
+async def run_stats(ctx: Context, pool: Pool, name: str) -> s.RunStats:
+    async with ctx.db.read() as session:
+        return await _run_stats(ctx, session, pool, await _get_run(session, pool, name))
+
+
+async def pool_stats(ctx: Context, pool: Pool) -> s.PoolStats:
+    async with ctx.db.read() as session:
+        nq, nt, nr = await repo.pool_counts(session, pool.id)
+        tokens = await repo.pool_tokens(session, pool.id)
+        runs = [await _run_stats(ctx, session, pool, r) for r in await repo.list_runs(session, pool.id)]
+    ctx.metrics.pool_questions.labels(pool.name).set(nq)
+    ctx.metrics.pool_trajectories.labels(pool.name).set(nt)
+    return s.PoolStats(pool=pool.name, num_questions=nq, num_trajectories=nt, num_tokens=tokens,
+                       num_runs=nr, runs=runs)
+
+
+async def rebuild_pool_index(ctx: Context, pool: Pool) -> dict[str, int]:
+    """Rebuild the sampling index of every scope of a pool from the database."""
+    async with ctx.db.read() as session:
+        runs = await repo.list_runs(session, pool.id)
+        scopes = {scope_of(pool, r) for r in runs}
+        members = {scope: await rebuild_index(ctx, session, scope) for scope in scopes}
+    return {str(k): v for k, v in members.items()}

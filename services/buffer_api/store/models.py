@@ -1,0 +1,200 @@
+"""Tables of the experience pool (SQLAlchemy 2 typed ORM). Postgres is the source of truth.
+
+Token ids and log-probs are stored as packed little-endian arrays (int32 / float32) in binary
+columns: a 4k-token trajectory costs 32 KB instead of ~60 KB of JSON text.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; Postgres gets a real BIGINT identity.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+Json = JSON().with_variant(JSONB(), "postgresql")
+Blob = LargeBinary().with_variant(BYTEA(), "postgresql")
+
+#: run_question.scope for pools whose buckets and retirement are pooled across runs.
+POOLED_SCOPE = 0
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Pool(Base):
+    __tablename__ = "pool"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    description: Mapped[str] = mapped_column(Text, default="")
+    config: Mapped[dict[str, Any]] = mapped_column(Json)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Question(Base):
+    __tablename__ = "question"
+    __table_args__ = (
+        UniqueConstraint("pool_id", "content_hash", name="uq_question_pool_hash"),
+        Index("ix_question_pool_id", "pool_id", "id"),
+    )
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    pool_id: Mapped[int] = mapped_column(ForeignKey("pool.id", ondelete="CASCADE"))
+    content_hash: Mapped[bytes] = mapped_column(Blob)
+    prompt: Mapped[list[dict[str, Any]]] = mapped_column(Json)
+    ground_truth: Mapped[str] = mapped_column(Text)
+    data_source: Mapped[str] = mapped_column(String(256), default="")
+    external_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", Json, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Run(Base):
+    __tablename__ = "run"
+    __table_args__ = (UniqueConstraint("pool_id", "name", name="uq_run_pool_name"),)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    pool_id: Mapped[int] = mapped_column(ForeignKey("pool.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(128))
+    seed: Mapped[int] = mapped_column(BigInteger, default=0)
+    phase: Mapped[str] = mapped_column(String(16), default="on_policy")
+    switched_at_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    epoch: Mapped[int] = mapped_column(Integer, default=-1)
+    cursor: Mapped[int] = mapped_column(Integer, default=0)
+    overrides: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RunEpoch(Base):
+    """The shuffled fresh-question order of a run's current epoch (packed int64 ids)."""
+
+    __tablename__ = "run_epoch"
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    order: Mapped[bytes] = mapped_column(Blob)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RunQuestion(Base):
+    """One run's view of one question (scope = run id, or POOLED_SCOPE for pooled pools)."""
+
+    __tablename__ = "run_question"
+    __table_args__ = (Index("ix_run_question_bucket", "scope", "retired", "bucket"),)
+    scope: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    question_id: Mapped[int] = mapped_column(
+        ForeignKey("question.id", ondelete="CASCADE"), primary_key=True
+    )
+    pool_id: Mapped[int] = mapped_column(ForeignKey("pool.id", ondelete="CASCADE"))
+    last_k: Mapped[int] = mapped_column(Integer)
+    bucket: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    retired: Mapped[bool] = mapped_column(Boolean, default=False)
+    last_step: Mapped[int] = mapped_column(Integer, default=0)
+    last_run_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Trajectory(Base):
+    __tablename__ = "trajectory"
+    __table_args__ = (
+        UniqueConstraint("question_id", "dedup_key", name="uq_trajectory_dedup"),
+        Index("ix_trajectory_run_created", "source_run_id", "created_at"),
+        Index("ix_trajectory_pool", "pool_id"),
+    )
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    question_id: Mapped[int] = mapped_column(ForeignKey("question.id", ondelete="CASCADE"))
+    pool_id: Mapped[int] = mapped_column(ForeignKey("pool.id", ondelete="CASCADE"))
+    source_run_id: Mapped[int | None] = mapped_column(
+        ForeignKey("run.id", ondelete="SET NULL"), nullable=True
+    )
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    token_ids: Mapped[bytes] = mapped_column(Blob)
+    logprobs: Mapped[bytes] = mapped_column(Blob)
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    reward: Mapped[float] = mapped_column(Float)
+    entropy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    dedup_key: Mapped[bytes] = mapped_column(Blob)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Batch(Base):
+    __tablename__ = "batch"
+    __table_args__ = (Index("ix_batch_run_step", "run_id", "step"),)
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default="planned")
+    phase: Mapped[str] = mapped_column(String(16))
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    plan: Mapped[dict[str, Any]] = mapped_column(Json)
+    result: Mapped[dict[str, Any] | None] = mapped_column(Json, nullable=True)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(Json, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Task(Base):
+    __tablename__ = "task"
+    __table_args__ = (
+        Index("ix_task_run_status", "run_id", "status", "id"),
+        Index("ix_task_batch", "batch_id"),
+    )
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batch.id", ondelete="CASCADE"))
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"))
+    question_id: Mapped[int] = mapped_column(ForeignKey("question.id", ondelete="CASCADE"))
+    num_samples: Mapped[int] = mapped_column(Integer)
+    replayed: Mapped[bool] = mapped_column(Boolean, default=False)
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    lease_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    result: Mapped[list[dict[str, Any]] | None] = mapped_column(Json, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class PolicyVersion(Base):
+    __tablename__ = "policy_version"
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uri: Mapped[str] = mapped_column(Text)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class IdempotencyKey(Base):
+    __tablename__ = "idempotency_key"
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    principal: Mapped[str] = mapped_column(String(255), primary_key=True)
+    route: Mapped[str] = mapped_column(String(255))
+    request_hash: Mapped[str] = mapped_column(String(64))
+    status_code: Mapped[int] = mapped_column(Integer)
+    response: Mapped[Any] = mapped_column(Json)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

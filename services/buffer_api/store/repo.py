@@ -1,0 +1,413 @@
+"""All SQL of the pool service. Functions take an open session and never commit."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+from exgrpo_pool.store.models import (
+    Batch,
+    IdempotencyKey,
+    PolicyVersion,
+    Pool,
+    Question,
+    Run,
+    RunEpoch,
+    RunQuestion,
+    Task,
+    Trajectory,
+    utcnow,
+)
+from sqlalchemy import Select, and_, delete, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
+
+_IN_CHUNK = 5000  # bound on bound parameters per statement (SQLite allows 32766)
+
+
+def _insert(session: AsyncSession, table: Any) -> Any:
+    dialect = session.get_bind().dialect.name
+    return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
+
+
+def _chunks(seq: Sequence[Any], n: int = _IN_CHUNK) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(seq), n):
+        yield seq[i : i + n]
+
+
+def _locked(session: AsyncSession, stmt: Select[Any]) -> Select[Any]:
+    # SQLite has no row locks; its writers are serialised by Database.write().
+    return stmt.with_for_update() if session.get_bind().dialect.name == "postgresql" else stmt
+
+
+# ------------------------------------------------------------------------------------ pools
+async def get_pool(session: AsyncSession, name: str) -> Pool | None:
+    return (await session.execute(select(Pool).where(Pool.name == name))).scalar_one_or_none()
+
+
+async def list_pools(session: AsyncSession) -> list[Pool]:
+    return list((await session.execute(select(Pool).order_by(Pool.id))).scalars())
+
+
+async def pool_counts(session: AsyncSession, pool_id: int) -> tuple[int, int, int]:
+    nq = await session.scalar(select(func.count()).select_from(Question).where(Question.pool_id == pool_id))
+    nt = await session.scalar(
+        select(func.count()).select_from(Trajectory).where(Trajectory.pool_id == pool_id)
+    )
+    nr = await session.scalar(select(func.count()).select_from(Run).where(Run.pool_id == pool_id))
+    return int(nq or 0), int(nt or 0), int(nr or 0)
+
+
+async def pool_tokens(session: AsyncSession, pool_id: int) -> int:
+    total = await session.scalar(
+        select(func.coalesce(func.sum(Trajectory.num_tokens), 0)).where(Trajectory.pool_id == pool_id)
+    )
+    return int(total or 0)
+
+
+# -------------------------------------------------------------------------------- questions
+async def insert_questions(session: AsyncSession, rows: list[dict[str, Any]]) -> int:
+    """Insert, skipping rows whose (pool, content hash) exists. Returns how many were new."""
+    inserted = 0
+    for chunk in _chunks(rows, 1000):
+        stmt = (
+            _insert(session, Question)
+            .values(list(chunk))
+            .on_conflict_do_nothing(index_elements=["pool_id", "content_hash"])
+            .returning(Question.id)
+        )
+        inserted += len((await session.execute(stmt)).all())
+    return inserted
+
+
+async def count_questions(session: AsyncSession, pool_id: int) -> int:
+    n = await session.scalar(select(func.count()).select_from(Question).where(Question.pool_id == pool_id))
+    return int(n or 0)
+
+
+async def list_questions(session: AsyncSession, pool_id: int, after: int, limit: int) -> list[Question]:
+    stmt = (
+        select(Question)
+        .where(Question.pool_id == pool_id, Question.id > after)
+        .order_by(Question.id)
+        .limit(limit)
+    )
+    return list((await session.execute(stmt)).scalars())
+
+
+async def get_questions(session: AsyncSession, ids: Sequence[int]) -> dict[int, Question]:
+    out: dict[int, Question] = {}
+    for chunk in _chunks(list(ids)):
+        for q in (await session.execute(select(Question).where(Question.id.in_(chunk)))).scalars():
+            out[q.id] = q
+    return out
+
+
+async def question_ids_by_hash(session: AsyncSession, pool_id: int, hashes: Sequence[bytes]) -> dict[bytes, int]:
+    stmt = select(Question.content_hash, Question.id).where(
+        Question.pool_id == pool_id, Question.content_hash.in_(list(hashes))
+    )
+    return {bytes(h): int(i) for h, i in (await session.execute(stmt)).tuples()}
+
+
+async def question_ids(session: AsyncSession, pool_id: int) -> np.ndarray:
+    rows = await session.execute(select(Question.id).where(Question.pool_id == pool_id).order_by(Question.id))
+    return np.fromiter((r[0] for r in rows), dtype=np.int64)
+
+
+# ------------------------------------------------------------------------------------- runs
+async def get_run(session: AsyncSession, pool_id: int, name: str, *, lock: bool = False) -> Run | None:
+    stmt = select(Run).where(Run.pool_id == pool_id, Run.name == name)
+    if lock:
+        stmt = _locked(session, stmt)
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def get_run_by_id(session: AsyncSession, run_id: int, *, lock: bool = False) -> Run | None:
+    stmt = select(Run).where(Run.id == run_id)
+    if lock:
+        stmt = _locked(session, stmt)
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def list_runs(session: AsyncSession, pool_id: int | None = None) -> list[Run]:
+    stmt = select(Run).order_by(Run.id)
+    if pool_id is not None:
+        stmt = stmt.where(Run.pool_id == pool_id)
+    return list((await session.execute(stmt)).scalars())
+
+
+async def run_names(session: AsyncSession, run_ids: Iterable[int]) -> dict[int, str]:
+    ids = sorted(set(run_ids))
+    if not ids:
+        return {}
+    return dict((await session.execute(select(Run.id, Run.name).where(Run.id.in_(ids)))).tuples().all())
+
+
+async def get_epoch(session: AsyncSession, run_id: int, epoch: int) -> np.ndarray | None:
+    blob = await session.scalar(select(RunEpoch.order).where(RunEpoch.run_id == run_id, RunEpoch.epoch == epoch))
+    return None if blob is None else np.frombuffer(blob, dtype="<i8").astype(np.int64)
+
+
+async def put_epoch(session: AsyncSession, run_id: int, epoch: int, order: np.ndarray) -> None:
+    await session.execute(delete(RunEpoch).where(RunEpoch.run_id == run_id))
+    session.add(RunEpoch(run_id=run_id, epoch=epoch, order=order.astype("<i8").tobytes()))
+
+
+# ------------------------------------------------------------------------ run_question states
+async def get_states(session: AsyncSession, scope: int, qids: Sequence[int]) -> dict[int, RunQuestion]:
+    out: dict[int, RunQuestion] = {}
+    for chunk in _chunks(list(qids)):
+        stmt = select(RunQuestion).where(RunQuestion.scope == scope, RunQuestion.question_id.in_(chunk))
+        for rq in (await session.execute(stmt)).scalars():
+            out[rq.question_id] = rq
+    return out
+
+
+async def upsert_states(session: AsyncSession, kind: str, rows: list[dict[str, Any]]) -> None:
+    """kind: 'collect' sets the bucket (unless retired), 'retire' retires and clears the bucket,
+    'ignore' only records the latest k and step. A retired question never leaves the retired set."""
+    if not rows:
+        return
+    ins = _insert(session, RunQuestion)
+    ex = ins.excluded
+    common: dict[str, Any] = {
+        "last_k": ex.last_k,
+        "last_step": ex.last_step,
+        "last_run_id": ex.last_run_id,
+        "updated_at": ex.updated_at,
+    }
+    if kind == "collect":
+        from sqlalchemy import case
+
+        common["bucket"] = case((RunQuestion.retired, None), else_=ex.bucket)
+    elif kind == "retire":
+        common["bucket"] = None
+        common["retired"] = True
+    stmt = ins.on_conflict_do_update(index_elements=["scope", "question_id"], set_=common)
+    for chunk in _chunks(rows, 1000):
+        await session.execute(stmt, list(chunk))
+
+
+async def bucket_members(session: AsyncSession, scope: int) -> dict[int, list[int]]:
+    stmt = (
+        select(RunQuestion.bucket, RunQuestion.question_id)
+        .where(RunQuestion.scope == scope, RunQuestion.retired.is_(False), RunQuestion.bucket.is_not(None))
+        .order_by(RunQuestion.question_id)
+    )
+    out: dict[int, list[int]] = {}
+    for bucket, qid in (await session.execute(stmt)).tuples():
+        out.setdefault(int(bucket), []).append(int(qid))
+    return out
+
+
+async def retired_ids(session: AsyncSession, scope: int) -> np.ndarray:
+    stmt = select(RunQuestion.question_id).where(RunQuestion.scope == scope, RunQuestion.retired.is_(True))
+    return np.fromiter((r[0] for r in await session.execute(stmt)), dtype=np.int64)
+
+
+async def state_counts(session: AsyncSession, scope: int) -> tuple[dict[int, int], int, int]:
+    """(bucket histogram of eligible questions, retired, seen)."""
+    stmt = (
+        select(RunQuestion.bucket, RunQuestion.retired, func.count())
+        .where(RunQuestion.scope == scope)
+        .group_by(RunQuestion.bucket, RunQuestion.retired)
+    )
+    hist: dict[int, int] = {}
+    retired = seen = 0
+    for bucket, is_retired, n in (await session.execute(stmt)).tuples():
+        seen += n
+        if is_retired:
+            retired += n
+        elif bucket is not None:
+            hist[int(bucket)] = hist.get(int(bucket), 0) + n
+    return hist, retired, seen
+
+
+async def question_states(session: AsyncSession, qid: int) -> list[RunQuestion]:
+    return list((await session.execute(select(RunQuestion).where(RunQuestion.question_id == qid))).scalars())
+
+
+async def pool_states(session: AsyncSession, pool_id: int, after: tuple[int, int], limit: int) -> list[RunQuestion]:
+    stmt = (
+        select(RunQuestion)
+        .where(
+            RunQuestion.pool_id == pool_id,
+            or_(
+                RunQuestion.scope > after[0],
+                and_(RunQuestion.scope == after[0], RunQuestion.question_id > after[1]),
+            ),
+        )
+        .order_by(RunQuestion.scope, RunQuestion.question_id)
+        .limit(limit)
+    )
+    return list((await session.execute(stmt)).scalars())
+
+
+# ------------------------------------------------------------------------------ trajectories
+async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]]) -> int:
+    inserted = 0
+    for chunk in _chunks(rows, 500):
+        stmt = (
+            _insert(session, Trajectory)
+            .values(list(chunk))
+            .on_conflict_do_nothing(index_elements=["question_id", "dedup_key"])
+            .returning(Trajectory.id)
+        )
+        inserted += len((await session.execute(stmt)).all())
+    return inserted
+
+
+async def trajectories_of(
+    session: AsyncSession, qids: Sequence[int], *, payload: bool = True
+) -> dict[int, list[Trajectory]]:
+    out: dict[int, list[Trajectory]] = {q: [] for q in qids}
+    cols = (
+        [Trajectory]
+        if payload
+        else [
+            c
+            for c in Trajectory.__table__.c
+            if c.name not in ("token_ids", "logprobs", "dedup_key")
+        ]
+    )
+    for chunk in _chunks(list(qids)):
+        stmt = select(*cols).where(Trajectory.question_id.in_(chunk)).order_by(Trajectory.id)
+        if payload:
+            for t in (await session.execute(stmt)).scalars():
+                out[t.question_id].append(t)
+        else:
+            for row in (await session.execute(stmt)).mappings():
+                out[row["question_id"]].append(Trajectory(**dict(row)))
+    return out
+
+
+async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, limit: int) -> list[Trajectory]:
+    stmt = (
+        select(Trajectory)
+        .where(Trajectory.pool_id == pool_id, Trajectory.id > after)
+        .order_by(Trajectory.id)
+        .limit(limit)
+    )
+    return list((await session.execute(stmt)).scalars())
+
+
+async def run_trajectory_counts(session: AsyncSession, run_id: int, since: datetime) -> tuple[int, int]:
+    total = await session.scalar(
+        select(func.count()).select_from(Trajectory).where(Trajectory.source_run_id == run_id)
+    )
+    recent = await session.scalar(
+        select(func.count())
+        .select_from(Trajectory)
+        .where(Trajectory.source_run_id == run_id, Trajectory.created_at >= since)
+    )
+    return int(total or 0), int(recent or 0)
+
+
+# ----------------------------------------------------------------------------------- batches
+async def get_batch(session: AsyncSession, batch_id: str, *, lock: bool = False) -> Batch | None:
+    stmt = select(Batch).where(Batch.id == batch_id)
+    if lock:
+        stmt = _locked(session, stmt)
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def open_batch(session: AsyncSession, run_id: int, step: int) -> Batch | None:
+    stmt = select(Batch).where(Batch.run_id == run_id, Batch.step == step, Batch.status == "planned")
+    return (await session.execute(stmt)).scalars().first()
+
+
+async def last_committed_batch(session: AsyncSession, run_id: int) -> Batch | None:
+    stmt = (
+        select(Batch)
+        .where(Batch.run_id == run_id, Batch.status == "committed")
+        .order_by(Batch.step.desc())
+        .limit(1)
+    )
+    return (await session.execute(stmt)).scalars().first()
+
+
+async def run_batches(session: AsyncSession, run_id: int, limit: int) -> list[Batch]:
+    stmt = (
+        select(Batch)
+        .where(Batch.run_id == run_id, Batch.status == "committed")
+        .order_by(Batch.step.desc())
+        .limit(limit)
+    )
+    return list((await session.execute(stmt)).scalars())
+
+
+# ------------------------------------------------------------------------------------- tasks
+async def insert_tasks(session: AsyncSession, rows: list[dict[str, Any]]) -> None:
+    if rows:
+        await session.execute(_insert(session, Task), rows)
+
+
+async def claim_tasks(
+    session: AsyncSession, run_id: int, worker: str, limit: int, expires_at: datetime, token_factory: Any
+) -> tuple[list[Task], int]:
+    """Lease up to `limit` tasks that are pending or whose lease ran out. Returns the tasks and
+    how many of them were taken over from an expired lease."""
+    now = utcnow()
+    claimable = or_(Task.status == "pending", and_(Task.status == "leased", Task.lease_expires_at < now))
+    stmt = select(Task).where(Task.run_id == run_id, claimable).order_by(Task.id).limit(limit)
+    if session.get_bind().dialect.name == "postgresql":
+        stmt = stmt.with_for_update(skip_locked=True)
+    tasks = list((await session.execute(stmt)).scalars())
+    expired = 0
+    for t in tasks:
+        if t.status == "leased":
+            expired += 1
+        t.status = "leased"
+        t.worker = worker
+        t.lease_token = token_factory()
+        t.lease_expires_at = expires_at
+        t.attempts += 1
+        t.updated_at = now
+    return tasks, expired
+
+
+async def get_task(session: AsyncSession, task_id: int, *, lock: bool = False) -> Task | None:
+    stmt = select(Task).where(Task.id == task_id)
+    if lock:
+        stmt = _locked(session, stmt)
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def batch_tasks(session: AsyncSession, batch_id: str) -> list[Task]:
+    return list((await session.execute(select(Task).where(Task.batch_id == batch_id).order_by(Task.id))).scalars())
+
+
+async def task_status_counts(session: AsyncSession, batch_id: str) -> dict[str, int]:
+    stmt = select(Task.status, func.count()).where(Task.batch_id == batch_id).group_by(Task.status)
+    return {s: int(n) for s, n in (await session.execute(stmt)).tuples()}
+
+
+async def cancel_batch_tasks(session: AsyncSession, batch_id: str) -> None:
+    await session.execute(
+        update(Task)
+        .where(Task.batch_id == batch_id, Task.status.in_(["pending", "leased"]))
+        .values(status="failed", error="batch abandoned", lease_token=None, updated_at=utcnow())
+    )
+
+
+async def queue_depth(session: AsyncSession) -> int:
+    n = await session.scalar(select(func.count()).select_from(Task).where(Task.status == "pending"))
+    return int(n or 0)
+
+
+# --------------------------------------------------------------------------- policy versions
+async def policy_versions(session: AsyncSession, run_id: int) -> list[PolicyVersion]:
+    stmt = select(PolicyVersion).where(PolicyVersion.run_id == run_id).order_by(PolicyVersion.version)
+    return list((await session.execute(stmt)).scalars())
+
+
+async def get_policy_version(session: AsyncSession, run_id: int, version: int) -> PolicyVersion | None:
+    return await session.get(PolicyVersion, (run_id, version))
+
+
+# ------------------------------------------------------------------------------- idempotency
+async def get_idempotent(session: AsyncSession, key: str, principal: str) -> IdempotencyKey | None:
+    return await session.get(IdempotencyKey, (key, principal))
