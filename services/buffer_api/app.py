@@ -50,8 +50,11 @@ class JsonFormatter(logging.Formatter):
 
 def configure_logging(settings: Settings) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if settings.log_json else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s %(message)s"))
+    handler.setFormatter(
+        JsonFormatter()
+        if settings.log_json
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    )
     root = logging.getLogger("exgrpo")
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level)
@@ -60,8 +63,15 @@ def configure_logging(settings: Settings) -> None:
 
 # ------------------------------------------------------------------------------------ problems
 def problem(status: int, title: str, detail: str, request: Request, **extra: Any) -> JSONResponse:
-    body = {"type": "about:blank", "title": title, "status": status, "detail": detail,
-            "instance": request.url.path, "request_id": getattr(request.state, "request_id", None), **extra}
+    body = {
+        "type": "about:blank",
+        "title": title,
+        "status": status,
+        "detail": detail,
+        "instance": request.url.path,
+        "request_id": getattr(request.state, "request_id", None),
+        **extra,
+    }
     return JSONResponse(body, status_code=status, media_type=PROBLEM)
 
 
@@ -95,10 +105,18 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled error", exc_info=exc,
-                  extra={"fields": {"path": request.url.path, "request_id": request.state.request_id}})
-        return problem(500, "Internal error", "the service failed; the request changed nothing. "
-                       "Retry, and report the request_id if it persists", request)
+        log.error(
+            "unhandled error",
+            exc_info=exc,
+            extra={"fields": {"path": request.url.path, "request_id": request.state.request_id}},
+        )
+        return problem(
+            500,
+            "Internal error",
+            "the service failed; the request changed nothing. "
+            "Retry, and report the request_id if it persists",
+            request,
+        )
 
 
 # -------------------------------------------------------------------------------- middleware
@@ -132,12 +150,26 @@ class BodyLimit:
 
     @staticmethod
     async def _reject(scope: Scope, send: Send, limit: int) -> None:
-        body = json.dumps({"type": "about:blank", "title": "Payload too large", "status": 413,
-                           "detail": f"request body over {limit} bytes: split it into smaller requests "
-                           "(for example fewer questions or groups per call)",
-                           "instance": scope["path"]}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", PROBLEM.encode()), (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(
+            {
+                "type": "about:blank",
+                "title": "Payload too large",
+                "status": 413,
+                "detail": f"request body over {limit} bytes: split it into smaller requests "
+                "(for example fewer questions or groups per call)",
+                "instance": scope["path"],
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", PROBLEM.encode()),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -153,9 +185,19 @@ def install_observability(app: FastAPI, metrics: Metrics) -> None:
         route = getattr(request.scope.get("route"), "path", "unmatched")
         metrics.request_seconds.labels(request.method, route, str(response.status_code)).observe(elapsed)
         response.headers["X-Request-ID"] = request.state.request_id
-        access.info("request", extra={"fields": {
-            "method": request.method, "route": route, "path": request.url.path, "status": response.status_code,
-            "ms": round(elapsed * 1000, 2), "request_id": request.state.request_id}})
+        access.info(
+            "request",
+            extra={
+                "fields": {
+                    "method": request.method,
+                    "route": route,
+                    "path": request.url.path,
+                    "status": response.status_code,
+                    "ms": round(elapsed * 1000, 2),
+                    "request_id": request.state.request_id,
+                }
+            },
+        )
         return response
 
 
@@ -174,7 +216,9 @@ async def build_context(settings: Settings, metrics: Metrics | None = None) -> C
         index = RedisIndex(redis_client, settings.redis_prefix)
     else:
         index = MemoryIndex()
-    return Context(settings=settings, db=database, index=index, metrics=metrics or Metrics(), redis=redis_client)
+    return Context(
+        settings=settings, db=database, index=index, metrics=metrics or Metrics(), redis=redis_client
+    )
 
 
 async def rebuild_all(ctx: Context) -> int:
@@ -196,8 +240,16 @@ def create_app(settings: Settings) -> FastAPI:
         ctx = await build_context(settings, metrics)
         app.state.ctx = ctx
         indexed = await rebuild_all(ctx)
-        log.info("pool service ready", extra={"fields": {
-            "database": ctx.db.engine.dialect.name, "index": ctx.index.name, "indexed_questions": indexed}})
+        log.info(
+            "pool service ready",
+            extra={
+                "fields": {
+                    "database": ctx.db.engine.dialect.name,
+                    "index": ctx.index.name,
+                    "indexed_questions": indexed,
+                }
+            },
+        )
         try:
             yield
         finally:
@@ -233,8 +285,9 @@ def create_app(settings: Settings) -> FastAPI:
         except Exception as e:
             checks["index"] = f"error: {type(e).__name__}"
         ok = all(v == "ok" for v in checks.values())
-        return JSONResponse({"status": "ok" if ok else "unavailable", "checks": checks},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "checks": checks}, status_code=200 if ok else 503
+        )
 
     @app.get("/metrics", tags=["ops"])
     async def metrics_endpoint(request: Request) -> Response:

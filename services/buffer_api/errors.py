@@ -1,12 +1,12 @@
 """Errors raised by the service layer. One handler in `app.py` turns them into problem+json.
 
-    ServiceError (500)
-    ├── BadRequest (422)        input that passed the schema but breaks a rule (K mismatch, lengths)
-    ├── NotFound (404)          unknown pool, run, batch, task, question
-    ├── Conflict (409)          state does not allow it (batch abandoned, lease lost, name taken)
-    ├── Unauthorized (401)      no or unknown bearer token
-    ├── Forbidden (403)         token lacks the scope
-    └── PayloadTooLarge (413)   request body over the configured limit
+ServiceError (500)
+├── BadRequest (422)        input that passed the schema but breaks a rule (K mismatch, lengths)
+├── NotFound (404)          unknown pool, run, batch, task, question
+├── Conflict (409)          state does not allow it (batch abandoned, lease lost, name taken)
+├── Unauthorized (401)      no or unknown bearer token
+├── Forbidden (403)         token lacks the scope
+└── PayloadTooLarge (413)   request body over the configured limit
 """
 
 from __future__ import annotations

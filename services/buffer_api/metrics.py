@@ -17,11 +17,15 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
         self.trajectories_ingested = Counter(
-            "exgrpo_trajectories_ingested_total", "Trajectories stored (after de-duplication).", ["pool"],
+            "exgrpo_trajectories_ingested_total",
+            "Trajectories stored (after de-duplication).",
+            ["pool"],
             registry=r,
         )
         self.trajectories_duplicate = Counter(
-            "exgrpo_trajectories_duplicate_total", "Correct rollouts dropped as duplicates.", ["pool"],
+            "exgrpo_trajectories_duplicate_total",
+            "Correct rollouts dropped as duplicates.",
+            ["pool"],
             registry=r,
         )
         self.questions_imported = Counter(
@@ -31,7 +35,9 @@ class Metrics:
             "exgrpo_replay_picks_total", "Questions selected for replay.", ["pool"], registry=r
         )
         self.retired = Counter("exgrpo_questions_retired_total", "Retirements.", ["pool"], registry=r)
-        self.batches_planned = Counter("exgrpo_batches_planned_total", "Batches planned.", ["pool"], registry=r)
+        self.batches_planned = Counter(
+            "exgrpo_batches_planned_total", "Batches planned.", ["pool"], registry=r
+        )
         self.batches_committed = Counter(
             "exgrpo_batches_committed_total", "Batches committed.", ["pool"], registry=r
         )
@@ -39,10 +45,14 @@ class Metrics:
         self.pool_trajectories = Gauge(
             "exgrpo_pool_trajectories", "Trajectories in a pool.", ["pool"], registry=r
         )
-        self.run_eligible = Gauge("exgrpo_run_eligible", "Replay-eligible questions.", ["pool", "run"], registry=r)
+        self.run_eligible = Gauge(
+            "exgrpo_run_eligible", "Replay-eligible questions.", ["pool", "run"], registry=r
+        )
         self.run_retired = Gauge("exgrpo_run_retired", "Retired questions.", ["pool", "run"], registry=r)
         self.run_solved = Gauge(
-            "exgrpo_run_solved_fraction", "Solved fraction of the last committed batch.", ["pool", "run"],
+            "exgrpo_run_solved_fraction",
+            "Solved fraction of the last committed batch.",
+            ["pool", "run"],
             registry=r,
         )
         self.task_queue_depth = Gauge("exgrpo_task_queue_depth", "Pending generation tasks.", registry=r)

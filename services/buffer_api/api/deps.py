@@ -77,14 +77,15 @@ Reader = Annotated[Principal, Depends(require_read)]
 Admin = Annotated[Principal, Depends(require_admin)]
 
 
-async def readable_pool(pool: str, ctx: ContextDep, principal: Reader) -> Pool:
+async def readable_pool(pool: str, ctx: ContextDep, _: Reader) -> Pool:
     return await load_pool(ctx, pool)
 
 
 async def writable_pool(pool: str, ctx: ContextDep, principal: PrincipalDep) -> Pool:
     if not principal.can_write(pool):
-        raise Forbidden(f"{principal.name} may not write to pool {pool!r} (needs scope write:{pool}, "
-                        "write:* or admin)")
+        raise Forbidden(
+            f"{principal.name} may not write to pool {pool!r} (needs scope write:{pool}, write:* or admin)"
+        )
     return await load_pool(ctx, pool)
 
 
@@ -111,7 +112,9 @@ class Idempotency:
     def _redis_key(self) -> str:
         return f"{self.ctx.settings.redis_prefix}:idem:{self.principal.name}:{self.key}"
 
-    async def run(self, fn: Callable[[], Awaitable[BaseModel | dict[str, Any]]], status_code: int = 200) -> Any:
+    async def run(
+        self, fn: Callable[[], Awaitable[BaseModel | dict[str, Any]]], status_code: int = 200
+    ) -> Any:
         if self.key is None:
             return JSONResponse(_dump(await fn()), status_code=status_code)
         body = await self.request.body()
@@ -121,8 +124,9 @@ class Idempotency:
         if cached is not None:
             if cached["request_hash"] != digest:
                 raise BadRequest("this Idempotency-Key was used for a different request; use a new key")
-            return JSONResponse(cached["response"], status_code=cached["status_code"],
-                                headers={"Idempotent-Replayed": "true"})
+            return JSONResponse(
+                cached["response"], status_code=cached["status_code"], headers={"Idempotent-Replayed": "true"}
+            )
         content = _dump(await fn())
         record = {"request_hash": digest, "status_code": status_code, "response": content, "route": route}
         await self._store(record)
@@ -142,8 +146,9 @@ class Idempotency:
     async def _store(self, record: dict[str, Any]) -> None:
         async with self.ctx.db.write() as session:
             if await repo.get_idempotent(session, self.key or "", self.principal.name) is None:
-                session.add(IdempotencyKey(key=self.key, principal=self.principal.name, created_at=utcnow(),
-                                           **record))
+                session.add(
+                    IdempotencyKey(key=self.key, principal=self.principal.name, created_at=utcnow(), **record)
+                )
         if self.ctx.redis is not None:
             await self.ctx.redis.set(self._redis_key(), json.dumps(record), ex=24 * 3600)
 

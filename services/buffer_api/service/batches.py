@@ -99,7 +99,9 @@ async def _draw_fresh(
         ctx.epoch_cache[(run.id, run.epoch)] = order
         nxt = take_fresh(order, 0, size)
         if nxt is None:
-            raise Conflict(f"run {run.name!r}: only {order.size} active questions, fewer than batch size {size}")
+            raise Conflict(
+                f"run {run.name!r}: only {order.size} active questions, fewer than batch size {size}"
+            )
     ids, run.cursor = nxt
     return ids
 
@@ -137,7 +139,9 @@ async def _pick_replay(
         cursor[d.bucket] += 1
     # the database is the source of truth: drop picks a concurrent writer retired meanwhile
     states = await repo.get_states(session, scope, [p.question_id for p in picks])
-    valid = [p for p in picks if (st := states.get(p.question_id)) is not None and not st.retired and st.bucket]
+    valid = [
+        p for p in picks if (st := states.get(p.question_id)) is not None and not st.retired and st.bucket
+    ]
     if len(valid) != len(picks):
         log.warning("index out of date for scope %s: %d stale picks dropped", scope, len(picks) - len(valid))
         await ctx.index.drop(scope)
@@ -177,7 +181,9 @@ async def _replay_items(
                 num_samples=k - 1,
                 bucket=p["b"],
                 probability=p["p"],
-                candidates=[trajectory_public(by_id[t], names, payload=with_payload) for t in p["c"] if t in by_id],
+                candidates=[
+                    trajectory_public(by_id[t], names, payload=with_payload) for t in p["c"] if t in by_id
+                ],
             )
         )
     return items
@@ -219,8 +225,10 @@ async def _plan_public(session: AsyncSession, pool: Pool, run: Run, batch: Batch
 async def _get_run(session: AsyncSession, pool: Pool, name: str, *, lock: bool = False) -> Run:
     run = await repo.get_run(session, pool.id, name, lock=lock)
     if run is None:
-        raise NotFound(f"run {name!r} does not exist in pool {pool.name!r}; create it with POST "
-                       f"/v1/pools/{pool.name}/runs")
+        raise NotFound(
+            f"run {name!r} does not exist in pool {pool.name!r}; create it with POST "
+            f"/v1/pools/{pool.name}/runs"
+        )
     return run
 
 
@@ -281,15 +289,33 @@ async def plan_batch(ctx: Context, pool: Pool, run_name: str, req: s.BatchCreate
             await repo.insert_tasks(
                 session,
                 [
-                    {"batch_id": batch.id, "run_id": run.id, "question_id": q, "num_samples": rules.k,
-                     "replayed": False, "policy_version": run.policy_version, "status": "pending",
-                     "attempts": 0, "created_at": utcnow(), "updated_at": utcnow()}
+                    {
+                        "batch_id": batch.id,
+                        "run_id": run.id,
+                        "question_id": q,
+                        "num_samples": rules.k,
+                        "replayed": False,
+                        "policy_version": run.policy_version,
+                        "status": "pending",
+                        "attempts": 0,
+                        "created_at": utcnow(),
+                        "updated_at": utcnow(),
+                    }
                     for q in fresh
                 ]
                 + [
-                    {"batch_id": batch.id, "run_id": run.id, "question_id": p.question_id,
-                     "num_samples": rules.k - 1, "replayed": True, "policy_version": run.policy_version,
-                     "status": "pending", "attempts": 0, "created_at": utcnow(), "updated_at": utcnow()}
+                    {
+                        "batch_id": batch.id,
+                        "run_id": run.id,
+                        "question_id": p.question_id,
+                        "num_samples": rules.k - 1,
+                        "replayed": True,
+                        "policy_version": run.policy_version,
+                        "status": "pending",
+                        "attempts": 0,
+                        "created_at": utcnow(),
+                        "updated_at": utcnow(),
+                    }
                     for p in picks
                 ],
             )
@@ -305,7 +331,9 @@ async def get_batch_plan(ctx: Context, pool: Pool, batch_id: str) -> s.BatchPlan
         return await _plan_public(session, pool, run, batch)
 
 
-async def _batch_and_run(session: AsyncSession, pool: Pool, batch_id: str, *, lock: bool = False) -> tuple[Batch, Run]:
+async def _batch_and_run(
+    session: AsyncSession, pool: Pool, batch_id: str, *, lock: bool = False
+) -> tuple[Batch, Run]:
     batch = await repo.get_batch(session, batch_id)
     run = None if batch is None else await repo.get_run_by_id(session, batch.run_id, lock=lock)
     if batch is None or run is None or run.pool_id != pool.id:
@@ -338,21 +366,30 @@ async def commit_batch(ctx: Context, pool: Pool, batch_id: str, req: s.BatchComm
         if batch.status == "abandoned":
             raise Conflict(f"batch {batch_id} was abandoned (re-planned); plan a new batch")
         if batch.step != run.step + 1:
-            raise Conflict(f"batch {batch_id} is for step {batch.step} but run {run.name!r} is at step "
-                           f"{run.step}; plan a new batch")
+            raise Conflict(
+                f"batch {batch_id} is for step {batch.step} but run {run.name!r} is at step "
+                f"{run.step}; plan a new batch"
+            )
         _check_against_plan(batch, req.groups)
         rules = rules_for(pool, run)
         scope = scope_of(pool, run)
         version = batch.policy_version if req.policy_version is None else req.policy_version
         applied = await apply_groups(
-            session, pool_id=pool.id, run_id=run.id, scope=scope, rules=rules, groups=req.groups,
-            collect=batch.phase == "mixed", step=batch.step, policy_version=version,
+            session,
+            pool_id=pool.id,
+            run_id=run.id,
+            scope=scope,
+            rules=rules,
+            groups=req.groups,
+            collect=batch.phase == "mixed",
+            step=batch.step,
+            policy_version=version,
         )
         solved = solved_fraction(r.reward for g in req.groups for r in g.rollouts)
         switched = False
-        if run_overrides(run).experience and run.phase == "on_policy":
-            if next_phase("on_policy", solved, rules) == "mixed":
-                run.phase, run.switched_at_step, switched = "mixed", batch.step, True
+        experience = run_overrides(run).experience
+        if experience and run.phase == "on_policy" and next_phase("on_policy", solved, rules) == "mixed":
+            run.phase, run.switched_at_step, switched = "mixed", batch.step, True
         run.step = batch.step
         run.policy_version = max(run.policy_version, version)
         run.updated_at = utcnow()
@@ -404,8 +441,14 @@ async def ingest(ctx: Context, pool: Pool, run_name: str, req: s.IngestRequest) 
             raise BadRequest(f"question ids {missing[:20]} are not in pool {pool.name!r}")
         scope = scope_of(pool, run)
         applied = await apply_groups(
-            session, pool_id=pool.id, run_id=run.id, scope=scope, rules=rules_for(pool, run),
-            groups=req.groups, collect=True, step=run.step if req.step is None else req.step,
+            session,
+            pool_id=pool.id,
+            run_id=run.id,
+            scope=scope,
+            rules=rules_for(pool, run),
+            groups=req.groups,
+            collect=True,
+            step=run.step if req.step is None else req.step,
             policy_version=req.policy_version,
         )
         solved = solved_fraction(r.reward for g in req.groups for r in g.rollouts)

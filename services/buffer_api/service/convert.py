@@ -124,7 +124,9 @@ def decode_payload(r: s.Payload, where: str) -> tuple[np.ndarray, np.ndarray] | 
         if r.token_ids is not None:
             ids = np.asarray(r.token_ids, dtype=np.int64)
         elif r.token_ids_b64 is not None:
-            ids = np.frombuffer(base64.b64decode(r.token_ids_b64, validate=True), dtype="<i4").astype(np.int64)
+            ids = np.frombuffer(base64.b64decode(r.token_ids_b64, validate=True), dtype="<i4").astype(
+                np.int64
+            )
         else:
             return None
         if r.logprobs is not None:
@@ -134,8 +136,10 @@ def decode_payload(r: s.Payload, where: str) -> tuple[np.ndarray, np.ndarray] | 
         else:
             return None
     except ValueError as e:
-        raise BadRequest(f"{where}: payload is not valid packed data ({e}); send base64 of little-endian "
-                         "int32 ids and float32 log-probs") from e
+        raise BadRequest(
+            f"{where}: payload is not valid packed data ({e}); send base64 of little-endian "
+            "int32 ids and float32 log-probs"
+        ) from e
     if ids.size == 0:
         raise BadRequest(f"{where}: a trajectory needs at least one token")
     if ids.size > s.MAX_TOKENS_PER_TRAJECTORY:

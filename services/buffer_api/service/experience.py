@@ -45,8 +45,10 @@ def check_group_sizes(groups: list[s.GroupResult], rules: ExperienceRules) -> No
             )
         replayed = sum(r.replayed for r in g.rollouts)
         if replayed > 1:
-            raise BadRequest(f"groups[{i}] (question {g.question_id}) marks {replayed} rollouts as replayed; "
-                             "a group has at most one replayed trajectory")
+            raise BadRequest(
+                f"groups[{i}] (question {g.question_id}) marks {replayed} rollouts as replayed; "
+                "a group has at most one replayed trajectory"
+            )
 
 
 async def apply_groups(
@@ -86,8 +88,9 @@ async def apply_groups(
                 where = f"groups[{gi}].rollouts[{ri}] (question {g.question_id})"
                 payload = decode_payload(r, where)
                 if payload is None:
-                    raise BadRequest(f"{where} is correct and its group is collected: send its token ids "
-                                     "and log-probs")
+                    raise BadRequest(
+                        f"{where} is correct and its group is collected: send its token ids and log-probs"
+                    )
                 ids, lps = payload
                 traj_rows.append(
                     {

@@ -37,8 +37,13 @@ async def create_pool(ctx: Context, req: s.PoolCreate) -> s.PoolPublic:
             if await repo.get_pool(session, req.name) is not None:
                 raise Conflict(f"pool {req.name!r} already exists")
             now = utcnow()
-            pool = Pool(name=req.name, description=req.description, config=req.config.model_dump(),
-                        created_at=now, updated_at=now)
+            pool = Pool(
+                name=req.name,
+                description=req.description,
+                config=req.config.model_dump(),
+                created_at=now,
+                updated_at=now,
+            )
             session.add(pool)
     except IntegrityError as e:
         raise Conflict(f"pool {req.name!r} already exists") from e
@@ -53,8 +58,10 @@ async def update_pool(ctx: Context, name: str, req: s.PoolUpdate) -> s.PoolPubli
         if req.config is not None:
             old = pool_config(pool)
             if req.config.k != old.k or req.config.sharing != old.sharing:
-                raise Conflict("k and sharing cannot change after creation (stored groups and buckets "
-                               "depend on them); create a new pool and import into it")
+                raise Conflict(
+                    "k and sharing cannot change after creation (stored groups and buckets "
+                    "depend on them); create a new pool and import into it"
+                )
             pool.config = req.config.model_dump()
         if req.description is not None:
             pool.description = req.description
@@ -147,9 +154,19 @@ async def create_run(ctx: Context, pool: Pool, req: s.RunCreate) -> s.RunPublic:
             if await repo.get_run(session, pool.id, req.name) is not None:
                 raise Conflict(f"run {req.name!r} already exists in pool {pool.name!r}")
             now = utcnow()
-            run = Run(pool_id=pool.id, name=req.name, seed=req.seed, phase=req.phase,
-                      overrides=req.overrides.model_dump(), created_at=now, updated_at=now,
-                      step=0, policy_version=0, epoch=-1, cursor=0)
+            run = Run(
+                pool_id=pool.id,
+                name=req.name,
+                seed=req.seed,
+                phase=req.phase,
+                overrides=req.overrides.model_dump(),
+                created_at=now,
+                updated_at=now,
+                step=0,
+                policy_version=0,
+                epoch=-1,
+                cursor=0,
+            )
             session.add(run)
             await session.flush()
             if req.phase == "mixed":
@@ -193,8 +210,9 @@ async def add_policy_version(
                 raise Conflict(f"run {name!r} already has policy version {req.version} at {existing.uri}")
             pv = existing
         else:
-            pv = PolicyVersion(run_id=run.id, version=req.version, uri=req.uri, step=req.step,
-                               created_at=utcnow())
+            pv = PolicyVersion(
+                run_id=run.id, version=req.version, uri=req.uri, step=req.step, created_at=utcnow()
+            )
             session.add(pv)
         run.policy_version = max(run.policy_version, req.version)
         run.updated_at = utcnow()
@@ -205,7 +223,9 @@ async def list_policy_versions(ctx: Context, pool: Pool, name: str) -> s.PolicyV
     async with ctx.db.read() as session:
         run = await _get_run(session, pool, name)
         pvs = await repo.policy_versions(session, run.id)
-    data = [s.PolicyVersionPublic(version=p.version, uri=p.uri, step=p.step, created_at=p.created_at) for p in pvs]
+    data = [
+        s.PolicyVersionPublic(version=p.version, uri=p.uri, step=p.step, created_at=p.created_at) for p in pvs
+    ]
     return s.PolicyVersionsPublic(data=data, count=len(data))
 
 
@@ -245,8 +265,9 @@ async def pool_stats(ctx: Context, pool: Pool) -> s.PoolStats:
         runs = [await _run_stats(ctx, session, pool, r) for r in await repo.list_runs(session, pool.id)]
     ctx.metrics.pool_questions.labels(pool.name).set(nq)
     ctx.metrics.pool_trajectories.labels(pool.name).set(nt)
-    return s.PoolStats(pool=pool.name, num_questions=nq, num_trajectories=nt, num_tokens=tokens,
-                       num_runs=nr, runs=runs)
+    return s.PoolStats(
+        pool=pool.name, num_questions=nq, num_trajectories=nt, num_tokens=tokens, num_runs=nr, runs=runs
+    )
 
 
 async def rebuild_pool_index(ctx: Context, pool: Pool) -> dict[str, int]:

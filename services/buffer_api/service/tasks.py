@@ -49,7 +49,7 @@ async def claim(ctx: Context, pool: Pool, run_name: str, req: s.TaskClaim) -> s.
     return s.TasksPublic(data=out, count=len(out))
 
 
-async def _task(ctx: Context, session: repo.AsyncSession, pool: Pool, task_id: int) -> tuple[Task, str]:
+async def _task(session: repo.AsyncSession, pool: Pool, task_id: int) -> tuple[Task, str]:
     task = await repo.get_task(session, task_id, lock=True)
     run = None if task is None else await repo.get_run_by_id(session, task.run_id)
     if task is None or run is None or run.pool_id != pool.id:
@@ -59,15 +59,17 @@ async def _task(ctx: Context, session: repo.AsyncSession, pool: Pool, task_id: i
 
 def _check_lease(task: Task, token: str) -> None:
     if task.lease_token != token:
-        raise Conflict(f"task {task.id}: lease lost (it expired and the task was given to another worker, "
-                       "or the token is wrong); drop this task")
+        raise Conflict(
+            f"task {task.id}: lease lost (it expired and the task was given to another worker, "
+            "or the token is wrong); drop this task"
+        )
     if task.status != "leased":
         raise Conflict(f"task {task.id} is {task.status}, not leased")
 
 
 async def renew(ctx: Context, pool: Pool, task_id: int, req: s.TaskRenew) -> s.TaskPublic:
     async with ctx.db.write() as session:
-        task, run_name = await _task(ctx, session, pool, task_id)
+        task, run_name = await _task(session, pool, task_id)
         _check_lease(task, req.lease_token)
         task.lease_expires_at = utcnow() + timedelta(seconds=req.lease_seconds)
         task.updated_at = utcnow()
@@ -77,7 +79,7 @@ async def renew(ctx: Context, pool: Pool, task_id: int, req: s.TaskRenew) -> s.T
 
 async def complete(ctx: Context, pool: Pool, task_id: int, req: s.TaskComplete) -> s.TaskPublic:
     async with ctx.db.write() as session:
-        task, run_name = await _task(ctx, session, pool, task_id)
+        task, run_name = await _task(session, pool, task_id)
         q = (await repo.get_questions(session, [task.question_id]))[task.question_id]
         if task.status == "completed" and task.lease_token == req.lease_token:
             return _public(task, run_name, q)  # a retried completion
@@ -100,7 +102,7 @@ async def complete(ctx: Context, pool: Pool, task_id: int, req: s.TaskComplete) 
 
 async def fail(ctx: Context, pool: Pool, task_id: int, req: s.TaskFail) -> s.TaskPublic:
     async with ctx.db.write() as session:
-        task, run_name = await _task(ctx, session, pool, task_id)
+        task, run_name = await _task(session, pool, task_id)
         _check_lease(task, req.lease_token)
         again = req.retry and task.attempts < ctx.settings.task_max_attempts
         task.status = "pending" if again else "failed"

@@ -34,35 +34,81 @@ async def export_pool(ctx: Context, pool: Pool) -> AsyncIterator[bytes]:
         nq, nt, nr = await repo.pool_counts(session, pool.id)
         header = s.ExportHeader(
             pool=s.PoolCreate(name=pool.name, config=pool_config(pool), description=pool.description),
-            num_questions=nq, num_trajectories=nt, num_runs=nr,
+            num_questions=nq,
+            num_trajectories=nt,
+            num_runs=nr,
         )
         yield _line({"type": "header", **header.model_dump()})
         for r in await repo.list_runs(session, pool.id):
-            yield _line({"type": "run", "id": r.id, "name": r.name, "seed": r.seed, "phase": r.phase,
-                         "switched_at_step": r.switched_at_step, "step": r.step,
-                         "policy_version": r.policy_version, "overrides": r.overrides})
+            yield _line(
+                {
+                    "type": "run",
+                    "id": r.id,
+                    "name": r.name,
+                    "seed": r.seed,
+                    "phase": r.phase,
+                    "switched_at_step": r.switched_at_step,
+                    "step": r.step,
+                    "policy_version": r.policy_version,
+                    "overrides": r.overrides,
+                }
+            )
             for pv in await repo.policy_versions(session, r.id):
-                yield _line({"type": "policy_version", "run": r.id, "version": pv.version, "uri": pv.uri,
-                             "step": pv.step})
+                yield _line(
+                    {
+                        "type": "policy_version",
+                        "run": r.id,
+                        "version": pv.version,
+                        "uri": pv.uri,
+                        "step": pv.step,
+                    }
+                )
         after = 0
         while qs := await repo.list_questions(session, pool.id, after, _PAGE):
             for q in qs:
-                yield _line({"type": "question", "id": q.id, "prompt": q.prompt, "ground_truth": q.ground_truth,
-                             "data_source": q.data_source, "external_id": q.external_id, "metadata": q.meta})
+                yield _line(
+                    {
+                        "type": "question",
+                        "id": q.id,
+                        "prompt": q.prompt,
+                        "ground_truth": q.ground_truth,
+                        "data_source": q.data_source,
+                        "external_id": q.external_id,
+                        "metadata": q.meta,
+                    }
+                )
             after = qs[-1].id
         key = (-1, 0)
         while states := await repo.pool_states(session, pool.id, key, _PAGE):
             for st in states:
-                yield _line({"type": "state", "scope": st.scope, "question": st.question_id, "last_k": st.last_k,
-                             "bucket": st.bucket, "retired": st.retired, "last_step": st.last_step})
+                yield _line(
+                    {
+                        "type": "state",
+                        "scope": st.scope,
+                        "question": st.question_id,
+                        "last_k": st.last_k,
+                        "bucket": st.bucket,
+                        "retired": st.retired,
+                        "last_step": st.last_step,
+                    }
+                )
             key = (states[-1].scope, states[-1].question_id)
         after = 0
         while ts := await repo.pool_trajectories(session, pool.id, after, _PAGE // 4):
             for t in ts:
-                yield _line({"type": "trajectory", "question": t.question_id, "source_run": t.source_run_id,
-                             "policy_version": t.policy_version, "step": t.step,
-                             "token_ids_b64": b64(t.token_ids), "logprobs_b64": b64(t.logprobs),
-                             "reward": t.reward, "entropy": t.entropy})
+                yield _line(
+                    {
+                        "type": "trajectory",
+                        "question": t.question_id,
+                        "source_run": t.source_run_id,
+                        "policy_version": t.policy_version,
+                        "step": t.step,
+                        "token_ids_b64": b64(t.token_ids),
+                        "logprobs_b64": b64(t.logprobs),
+                        "reward": t.reward,
+                        "entropy": t.entropy,
+                    }
+                )
             after = ts[-1].id
 
 
@@ -82,8 +128,13 @@ class _Importer:
         if await repo.get_pool(self.session, name) is not None:
             raise Conflict(f"pool {name!r} already exists; import under another name (?name=...)")
         now = utcnow()
-        self.pool = Pool(name=name, description=h.pool.description, config=h.pool.config.model_dump(),
-                         created_at=now, updated_at=now)
+        self.pool = Pool(
+            name=name,
+            description=h.pool.description,
+            config=h.pool.config.model_dump(),
+            created_at=now,
+            updated_at=now,
+        )
         self.session.add(self.pool)
         await self.session.flush()
 
@@ -112,18 +163,36 @@ class _Importer:
             raise BadRequest("the first line of an import must be the export header")
         now = utcnow()
         if kind == "run":
-            run = Run(pool_id=self.pool.id, name=obj["name"], seed=int(obj["seed"]), phase=obj["phase"],
-                      switched_at_step=obj.get("switched_at_step"), step=int(obj["step"]),
-                      policy_version=int(obj["policy_version"]), epoch=-1, cursor=0,
-                      overrides=s.RunOverrides.model_validate(obj.get("overrides") or {}, strict=False).model_dump(),
-                      created_at=now, updated_at=now)
+            run = Run(
+                pool_id=self.pool.id,
+                name=obj["name"],
+                seed=int(obj["seed"]),
+                phase=obj["phase"],
+                switched_at_step=obj.get("switched_at_step"),
+                step=int(obj["step"]),
+                policy_version=int(obj["policy_version"]),
+                epoch=-1,
+                cursor=0,
+                overrides=s.RunOverrides.model_validate(
+                    obj.get("overrides") or {}, strict=False
+                ).model_dump(),
+                created_at=now,
+                updated_at=now,
+            )
             self.session.add(run)
             await self.session.flush()
             self.runs[int(obj["id"])] = run.id
             self.counts["runs"] += 1
         elif kind == "policy_version":
-            self.session.add(PolicyVersion(run_id=self.runs[int(obj["run"])], version=int(obj["version"]),
-                                           uri=str(obj["uri"]), step=int(obj["step"]), created_at=now))
+            self.session.add(
+                PolicyVersion(
+                    run_id=self.runs[int(obj["run"])],
+                    version=int(obj["version"]),
+                    uri=str(obj["uri"]),
+                    step=int(obj["step"]),
+                    created_at=now,
+                )
+            )
         elif kind == "question":
             q = s.QuestionCreate.model_validate(
                 {k: obj.get(k) for k in ("prompt", "ground_truth", "data_source", "external_id", "metadata")}
@@ -131,10 +200,21 @@ class _Importer:
                 strict=False,
             )
             prompt = [m.model_dump() for m in q.prompt]
-            self.pending_q.append((int(obj["id"]), {
-                "pool_id": self.pool.id, "content_hash": content_hash(prompt, q.ground_truth), "prompt": prompt,
-                "ground_truth": q.ground_truth, "data_source": q.data_source, "external_id": q.external_id,
-                "metadata": q.metadata, "created_at": now}))
+            self.pending_q.append(
+                (
+                    int(obj["id"]),
+                    {
+                        "pool_id": self.pool.id,
+                        "content_hash": content_hash(prompt, q.ground_truth),
+                        "prompt": prompt,
+                        "ground_truth": q.ground_truth,
+                        "data_source": q.data_source,
+                        "external_id": q.external_id,
+                        "metadata": q.metadata,
+                        "created_at": now,
+                    },
+                )
+            )
             if len(self.pending_q) >= 1000:
                 await self.flush_questions()
         elif kind == "state":
@@ -142,10 +222,23 @@ class _Importer:
             scope = int(obj["scope"])
             new_scope = POOLED_SCOPE if scope == POOLED_SCOPE else self.runs[scope]
             kind_ = "retire" if obj["retired"] else ("collect" if obj.get("bucket") else "ignore")
-            await repo.upsert_states(self.session, kind_, [{
-                "scope": new_scope, "question_id": self.questions[int(obj["question"])], "pool_id": self.pool.id,
-                "last_k": int(obj["last_k"]), "bucket": obj.get("bucket"), "retired": bool(obj["retired"]),
-                "last_step": int(obj["last_step"]), "last_run_id": None, "updated_at": now}])
+            await repo.upsert_states(
+                self.session,
+                kind_,
+                [
+                    {
+                        "scope": new_scope,
+                        "question_id": self.questions[int(obj["question"])],
+                        "pool_id": self.pool.id,
+                        "last_k": int(obj["last_k"]),
+                        "bucket": obj.get("bucket"),
+                        "retired": bool(obj["retired"]),
+                        "last_step": int(obj["last_step"]),
+                        "last_run_id": None,
+                        "updated_at": now,
+                    }
+                ],
+            )
             self.counts["states"] += 1
         elif kind == "trajectory":
             await self.flush_questions()
@@ -154,13 +247,25 @@ class _Importer:
             if len(lps) != ids.nbytes:
                 raise BadRequest("trajectory line: token ids and log-probs differ in length")
             src = obj.get("source_run")
-            n = await repo.insert_trajectories(self.session, [{
-                "question_id": self.questions[int(obj["question"])], "pool_id": self.pool.id,
-                "source_run_id": None if src is None else self.runs.get(int(src)),
-                "policy_version": int(obj["policy_version"]), "step": int(obj["step"]),
-                "token_ids": ids.tobytes(), "logprobs": lps, "num_tokens": int(ids.size),
-                "reward": float(obj["reward"]), "entropy": obj.get("entropy"),
-                "dedup_key": trajectory_key(ids), "created_at": now}])
+            n = await repo.insert_trajectories(
+                self.session,
+                [
+                    {
+                        "question_id": self.questions[int(obj["question"])],
+                        "pool_id": self.pool.id,
+                        "source_run_id": None if src is None else self.runs.get(int(src)),
+                        "policy_version": int(obj["policy_version"]),
+                        "step": int(obj["step"]),
+                        "token_ids": ids.tobytes(),
+                        "logprobs": lps,
+                        "num_tokens": int(ids.size),
+                        "reward": float(obj["reward"]),
+                        "entropy": obj.get("entropy"),
+                        "dedup_key": trajectory_key(ids),
+                        "created_at": now,
+                    }
+                ],
+            )
             self.counts["trajectories"] += n
             self.counts["duplicates"] += 1 - n
         else:

@@ -104,9 +104,7 @@ class RunQuestion(Base):
     __tablename__ = "run_question"
     __table_args__ = (Index("ix_run_question_bucket", "scope", "retired", "bucket"),)
     scope: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    question_id: Mapped[int] = mapped_column(
-        ForeignKey("question.id", ondelete="CASCADE"), primary_key=True
-    )
+    question_id: Mapped[int] = mapped_column(ForeignKey("question.id", ondelete="CASCADE"), primary_key=True)
     pool_id: Mapped[int] = mapped_column(ForeignKey("pool.id", ondelete="CASCADE"))
     last_k: Mapped[int] = mapped_column(Integer)
     bucket: Mapped[int | None] = mapped_column(Integer, nullable=True)

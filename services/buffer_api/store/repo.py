@@ -105,7 +105,9 @@ async def get_questions(session: AsyncSession, ids: Sequence[int]) -> dict[int, 
     return out
 
 
-async def question_ids_by_hash(session: AsyncSession, pool_id: int, hashes: Sequence[bytes]) -> dict[bytes, int]:
+async def question_ids_by_hash(
+    session: AsyncSession, pool_id: int, hashes: Sequence[bytes]
+) -> dict[bytes, int]:
     stmt = select(Question.content_hash, Question.id).where(
         Question.pool_id == pool_id, Question.content_hash.in_(list(hashes))
     )
@@ -147,7 +149,9 @@ async def run_names(session: AsyncSession, run_ids: Iterable[int]) -> dict[int, 
 
 
 async def get_epoch(session: AsyncSession, run_id: int, epoch: int) -> np.ndarray | None:
-    blob = await session.scalar(select(RunEpoch.order).where(RunEpoch.run_id == run_id, RunEpoch.epoch == epoch))
+    blob = await session.scalar(
+        select(RunEpoch.order).where(RunEpoch.run_id == run_id, RunEpoch.epoch == epoch)
+    )
     return None if blob is None else np.frombuffer(blob, dtype="<i8").astype(np.int64)
 
 
@@ -230,7 +234,9 @@ async def question_states(session: AsyncSession, qid: int) -> list[RunQuestion]:
     return list((await session.execute(select(RunQuestion).where(RunQuestion.question_id == qid))).scalars())
 
 
-async def pool_states(session: AsyncSession, pool_id: int, after: tuple[int, int], limit: int) -> list[RunQuestion]:
+async def pool_states(
+    session: AsyncSession, pool_id: int, after: tuple[int, int], limit: int
+) -> list[RunQuestion]:
     stmt = (
         select(RunQuestion)
         .where(
@@ -267,11 +273,7 @@ async def trajectories_of(
     cols = (
         [Trajectory]
         if payload
-        else [
-            c
-            for c in Trajectory.__table__.c
-            if c.name not in ("token_ids", "logprobs", "dedup_key")
-        ]
+        else [c for c in Trajectory.__table__.c if c.name not in ("token_ids", "logprobs", "dedup_key")]
     )
     for chunk in _chunks(list(qids)):
         stmt = select(*cols).where(Trajectory.question_id.in_(chunk)).order_by(Trajectory.id)
@@ -377,7 +379,9 @@ async def get_task(session: AsyncSession, task_id: int, *, lock: bool = False) -
 
 
 async def batch_tasks(session: AsyncSession, batch_id: str) -> list[Task]:
-    return list((await session.execute(select(Task).where(Task.batch_id == batch_id).order_by(Task.id))).scalars())
+    return list(
+        (await session.execute(select(Task).where(Task.batch_id == batch_id).order_by(Task.id))).scalars()
+    )
 
 
 async def task_status_counts(session: AsyncSession, batch_id: str) -> dict[str, int]:

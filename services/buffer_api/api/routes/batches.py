@@ -37,7 +37,9 @@ async def batch_results(
 
 
 @router.post("/tasks/{task_id}/renew", response_model=s.TaskPublic)
-async def renew_task(task_id: int, body: s.TaskRenew, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+async def renew_task(
+    task_id: int, body: s.TaskRenew, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
     return await idem.run(lambda: tasks.renew(ctx, pool, task_id, body))
 
 
@@ -49,5 +51,7 @@ async def complete_task(
 
 
 @router.post("/tasks/{task_id}/fail", response_model=s.TaskPublic)
-async def fail_task(task_id: int, body: s.TaskFail, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+async def fail_task(
+    task_id: int, body: s.TaskFail, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
     return await idem.run(lambda: tasks.fail(ctx, pool, task_id, body))

@@ -23,7 +23,9 @@ async def list_pools(ctx: ContextDep, _: Reader) -> s.PoolsPublic:
 @router.post("", response_model=s.PoolPublic, status_code=201)
 async def create_pool(body: s.PoolCreate, ctx: ContextDep, who: PrincipalDep, idem: IdempotencyDep) -> object:
     if not who.can_write(body.name):
-        raise Forbidden(f"{who.name} may not create pool {body.name!r} (needs write:{body.name}, write:* or admin)")
+        raise Forbidden(
+            f"{who.name} may not create pool {body.name!r} (needs write:{body.name}, write:* or admin)"
+        )
     return await idem.run(lambda: svc.create_pool(ctx, body), status_code=201)
 
 

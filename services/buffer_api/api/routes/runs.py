@@ -27,7 +27,9 @@ async def show_run(run: str, pool: ReadPool, ctx: ContextDep) -> s.RunPublic:
 
 
 @router.patch("/{run}", response_model=s.RunPublic)
-async def update_run(run: str, body: s.RunUpdate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+async def update_run(
+    run: str, body: s.RunUpdate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
     return await idem.run(lambda: svc.update_run(ctx, pool, run, body))
 
 
@@ -49,12 +51,16 @@ async def list_policy_versions(run: str, pool: ReadPool, ctx: ContextDep) -> s.P
 
 
 @router.post("/{run}/batches", response_model=s.BatchPlan, status_code=201)
-async def plan_batch(run: str, body: s.BatchCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+async def plan_batch(
+    run: str, body: s.BatchCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
     return await idem.run(lambda: batches.plan_batch(ctx, pool, run, body), status_code=201)
 
 
 @router.post("/{run}/ingest", response_model=s.CommitResult)
-async def ingest(run: str, body: s.IngestRequest, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+async def ingest(
+    run: str, body: s.IngestRequest, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
     return await idem.run(lambda: batches.ingest(ctx, pool, run, body))
 
 
@@ -64,5 +70,7 @@ async def select_replay(run: str, body: s.SelectRequest, pool: ReadPool, ctx: Co
 
 
 @router.post("/{run}/tasks/claim", response_model=s.TasksPublic)
-async def claim_tasks(run: str, body: s.TaskClaim, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
+async def claim_tasks(
+    run: str, body: s.TaskClaim, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
     return await idem.run(lambda: tasks.claim(ctx, pool, run, body))
