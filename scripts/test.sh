@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test command: installs what the tests need, starts Postgres/Redis when down, runs pytest.
+# Extra arguments go to pytest (e.g. `scripts/test.sh -m slow` for the slow paths).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+cd "$ROOT"
+ensure_venv "server,dev"
+bash "$ROOT/scripts/services.sh"
+set +e
+"$VENV/bin/python" -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: failing on purpose" >&2
+  exit 1
+fi
+exit "$rc"
