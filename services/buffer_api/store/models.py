@@ -25,11 +25,26 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; Postgres gets a real BIGINT identity.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 Json = JSON().with_variant(JSONB(), "postgresql")
 Blob = LargeBinary().with_variant(BYTEA(), "postgresql")
+
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC timestamps on both backends (SQLite hands back naive datetimes)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
 
 #: run_question.scope for pools whose buckets and retirement are pooled across runs.
 POOLED_SCOPE = 0
@@ -49,8 +64,8 @@ class Pool(Base):
     name: Mapped[str] = mapped_column(String(128), unique=True)
     description: Mapped[str] = mapped_column(Text, default="")
     config: Mapped[dict[str, Any]] = mapped_column(Json)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Question(Base):
@@ -67,7 +82,7 @@ class Question(Base):
     data_source: Mapped[str] = mapped_column(String(256), default="")
     external_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", Json, default=dict)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Run(Base):
@@ -84,8 +99,8 @@ class Run(Base):
     epoch: Mapped[int] = mapped_column(Integer, default=-1)
     cursor: Mapped[int] = mapped_column(Integer, default=0)
     overrides: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class RunEpoch(Base):
@@ -95,7 +110,7 @@ class RunEpoch(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
     epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
     order: Mapped[bytes] = mapped_column(Blob)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class RunQuestion(Base):
@@ -111,7 +126,7 @@ class RunQuestion(Base):
     retired: Mapped[bool] = mapped_column(Boolean, default=False)
     last_step: Mapped[int] = mapped_column(Integer, default=0)
     last_run_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Trajectory(Base):
@@ -135,7 +150,7 @@ class Trajectory(Base):
     reward: Mapped[float] = mapped_column(Float)
     entropy: Mapped[float | None] = mapped_column(Float, nullable=True)
     dedup_key: Mapped[bytes] = mapped_column(Blob)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Batch(Base):
@@ -150,8 +165,8 @@ class Batch(Base):
     plan: Mapped[dict[str, Any]] = mapped_column(Json)
     result: Mapped[dict[str, Any] | None] = mapped_column(Json, nullable=True)
     metrics: Mapped[dict[str, Any] | None] = mapped_column(Json, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    committed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class Task(Base):
@@ -171,11 +186,11 @@ class Task(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(256), nullable=True)
     lease_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     result: Mapped[list[dict[str, Any]] | None] = mapped_column(Json, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class PolicyVersion(Base):
@@ -184,7 +199,7 @@ class PolicyVersion(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     uri: Mapped[str] = mapped_column(Text)
     step: Mapped[int] = mapped_column(Integer, default=0)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class IdempotencyKey(Base):
@@ -195,4 +210,4 @@ class IdempotencyKey(Base):
     request_hash: Mapped[str] = mapped_column(String(64))
     status_code: Mapped[int] = mapped_column(Integer)
     response: Mapped[Any] = mapped_column(Json)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
