@@ -1,0 +1,161 @@
+"""Generation with transformers `generate` (CPU or GPU), with per-token log-probs and entropies.
+
+Log-probs and entropies are recorded inside generation by two logits processors, one step at a
+time, so memory stays at one [rows, vocab] matrix instead of all steps' logits:
+- before temperature/top-p: the entropy of the raw next-token distribution;
+- after them: the log-softmax of the sampling distribution, from which the next step reads the
+  log-prob of the token that was just sampled (the last one is read after generation).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from exgrpo_rollout.engines.base import Completion, GenerationStats, SamplingConfig
+
+
+class _RawEntropy(LogitsProcessor):
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        self.steps.append(-(logp.exp() * logp).nan_to_num(0.0).sum(-1))
+        return scores
+
+
+class _SampledLogprob(LogitsProcessor):
+    def __init__(self) -> None:
+        self.prev: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.prev = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> None:
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(-1, last_tokens[:, None]).squeeze(-1))
+            self.prev = None
+
+
+class TransformersEngine:
+    name = "transformers"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch_rows: int = 256,
+        synced_gpus: bool = False,
+        decode: bool = True,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_rows = max_batch_rows
+        self.synced_gpus = synced_gpus
+        self.decode = decode
+        eos = tokenizer.eos_token_id if model.generation_config.eos_token_id is None else (
+            model.generation_config.eos_token_id)
+        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        pad = tokenizer.pad_token_id
+        self.pad_id: int = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
+        self._stats = GenerationStats()
+
+    @property
+    def last_stats(self) -> GenerationStats:
+        return self._stats
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def load_weights(self, path: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        fresh = AutoModelForCausalLM.from_pretrained(path, dtype=next(self.model.parameters()).dtype)
+        self.model.load_state_dict(fresh.state_dict())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        start = time.perf_counter()
+        per_call = max(1, self.max_batch_rows // sampling.n)
+        out: list[list[Completion]] = []
+        generator_state = None
+        if sampling.seed is not None:
+            generator_state = torch.random.get_rng_state()
+            torch.manual_seed(sampling.seed)
+        try:
+            for i in range(0, len(prompts), per_call):
+                out.extend(self._generate_chunk(prompts[i : i + per_call], sampling))
+        finally:
+            if generator_state is not None:
+                torch.random.set_rng_state(generator_state)
+        tokens = sum(len(c.token_ids) for cs in out for c in cs)
+        self._stats = GenerationStats(prompts=len(prompts), completions=len(prompts) * sampling.n,
+                                      generated_tokens=tokens, seconds=time.perf_counter() - start)
+        return out
+
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):  # left padding: generation continues at the right edge
+            ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[row, width - len(p) :] = 1
+        entropy, sampled = _RawEntropy(), _SampledLogprob()
+        processors: list[Any] = [entropy]
+        if sampling.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_p < 1.0:
+            processors.append(TopPLogitsWarper(sampling.top_p))
+        processors.append(sampled)
+        config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=sampling.min_new_tokens, num_return_sequences=sampling.n,
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids) or None,
+        )
+        dev = self.device
+        seqs = self.model.generate(
+            input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=config,
+            logits_processor=LogitsProcessorList(processors), synced_gpus=self.synced_gpus,
+        )
+        new = seqs[:, width:].cpu()
+        if new.shape[1] == 0:
+            raise RuntimeError("generation produced no tokens")
+        sampled.finish(seqs[:, -1])
+        logps = torch.stack(sampled.steps, dim=1).cpu()[:, : new.shape[1]]
+        ents = torch.stack(entropy.steps, dim=1).cpu()[:, : new.shape[1]]
+        results: list[list[Completion]] = []
+        for p in range(len(prompts)):
+            group = []
+            for j in range(sampling.n):
+                row = p * sampling.n + j
+                toks = new[row].tolist()
+                end = next((t + 1 for t, tok in enumerate(toks) if tok in self.eos_ids), None)
+                n_tok = len(toks) if end is None else end
+                kept = toks[:n_tok]
+                group.append(Completion(
+                    token_ids=kept,
+                    logprobs=logps[row, :n_tok].tolist(),
+                    entropies=ents[row, :n_tok].tolist(),
+                    finish_reason="length" if end is None else "stop",
+                    text=self.tokenizer.decode(kept, skip_special_tokens=False) if self.decode else "",
+                ))
+            results.append(group)
+        return results
