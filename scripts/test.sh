@@ -4,7 +4,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
-ensure_venv "server,dev"
+ensure_venv "server,train,rollout,dev"
 bash "$ROOT/scripts/services.sh"
 set +e
 "$VENV/bin/python" -m pytest "$@"
