@@ -1,0 +1,160 @@
+"""`exgrpo serve` and `exgrpo db upgrade`: the parts of the CLI that need the server extra.
+
+`main.py` imports this module inside those two commands only, so the client commands work
+with nothing but the SDK installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from exgrpo_client import AsyncClient, NotFound
+from exgrpo_client import schemas as s
+from exgrpo_client.errors import ExgrpoError
+from exgrpo_client.io import QuestionFileError, read_questions
+from exgrpo_pool.app import create_app
+from exgrpo_pool.config import Settings
+from exgrpo_pool.store import db as dbmod
+
+log = logging.getLogger("exgrpo.cli")
+
+DEMO_POOL = "demo"
+DEMO_RUN = "demo"
+DEMO_DATA = Path("/work/shared/data/exgrpo/valid.parquet")
+DEMO_QUESTIONS = 200
+DEMO_CONFIG = {"k": 8, "batch_size": 16}
+
+
+def build_settings(**flags: Any) -> Settings:
+    """Settings from EXGRPO_* (and EXGRPO_CONFIG_FILE); the flags that were given win."""
+    return Settings(**{k: v for k, v in flags.items() if v is not None})
+
+
+def database_url(flag: str | None) -> str:
+    """The database to migrate: the flag, else what `exgrpo serve` would use."""
+    if flag:
+        return flag
+    # only the database URL matters here, so the "no way in" check must not block a migration
+    return Settings(allow_anonymous=True).database_url
+
+
+def mask_url(url: str) -> str:
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+
+
+def upgrade(url: str) -> None:
+    dbmod.upgrade(url)
+
+
+# ------------------------------------------------------------------------------------- serving
+def serve(settings: Settings, *, demo: bool, demo_data: Path | None) -> None:
+    # uvicorn shuts down gracefully, then re-raises the Ctrl-C it caught: that is a clean stop
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(settings, demo=demo, demo_data=demo_data))
+
+
+async def _serve(settings: Settings, *, demo: bool, demo_data: Path | None) -> None:
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,  # the service writes its own access log, with request ids
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    if demo:
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            await _seed_demo(app, settings, demo_data)
+    await serving
+
+
+def _writer_token(settings: Settings) -> str | None:
+    """A configured token that may create the demo pool (None: go in anonymously)."""
+    for grant in settings.tokens:
+        if {"admin", "write:*", f"write:{DEMO_POOL}"} & set(grant.scopes):
+            return grant.token
+    return None
+
+
+async def _seed_demo(app: Any, settings: Settings, demo_data: Path | None) -> None:
+    """Create the demo pool and run unless the pool exists; failures are logged, not fatal."""
+    transport = httpx.ASGITransport(app=app)
+    async with AsyncClient(
+        "http://exgrpo-demo", token=_writer_token(settings), transport=transport
+    ) as client:
+        try:
+            await client.get_pool(DEMO_POOL)
+            log.info("demo pool exists, left as it is")
+            return
+        except NotFound:
+            pass
+        try:
+            questions, source = demo_questions(demo_data)
+            await client.create_pool(
+                DEMO_POOL, DEMO_CONFIG, f"demo pool: {len(questions)} questions from {source}"
+            )
+            imported = await client.import_questions(DEMO_POOL, questions)
+            await client.create_run(DEMO_POOL, DEMO_RUN)
+        except (ExgrpoError, QuestionFileError) as e:
+            log.warning("demo pool not created: %s", e)
+            return
+        log.info(
+            "demo pool %r ready: %d questions from %s, run %r",
+            DEMO_POOL,
+            imported.num_questions,
+            source,
+            DEMO_RUN,
+        )
+
+
+def demo_questions(path: Path | None) -> tuple[list[s.QuestionCreate], str]:
+    """The first distinct questions of the demo data file, or arithmetic ones when it is missing."""
+    path = path or Path(os.environ.get("EXGRPO_DEMO_DATA", DEMO_DATA))
+    if not path.is_file():
+        return arithmetic_questions(64), "synthetic arithmetic"
+    # evaluation files repeat questions (avg@k); the demo wants distinct ones
+    questions: dict[tuple[str, str], s.QuestionCreate] = {}
+    for chunk in read_questions(path, batch_size=500):
+        for q in chunk:
+            questions.setdefault((q.model_dump_json(include={"prompt"}), q.ground_truth), q)
+            if len(questions) == DEMO_QUESTIONS:
+                return list(questions.values()), str(path)
+    return list(questions.values()), str(path)
+
+
+def arithmetic_questions(n: int, seed: int = 0) -> list[s.QuestionCreate]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        op = "+" if i % 2 == 0 else "*"
+        answer = a + b if op == "+" else a * b
+        out.append(
+            s.QuestionCreate(
+                prompt=[
+                    s.ChatMessage(
+                        role="user",
+                        content=f"What is {a} {op} {b}? Put the final answer in \\boxed{{}}.",
+                    )
+                ],
+                ground_truth=str(answer),
+                data_source="synthetic/arithmetic",
+                external_id=f"arith-{i}",
+            )
+        )
+    return out

@@ -1,0 +1,306 @@
+"""The `exgrpo` command line: run the pool service, and manage pools through the SDK.
+
+    exgrpo serve --anonymous --demo                  # the service on 127.0.0.1:8700
+    exgrpo pool create math --k 8 --batch-size 128
+    exgrpo questions import train.parquet --pool math
+    exgrpo --json pool stats math                    # machine-readable output
+
+Client commands talk HTTP through `exgrpo_client.Client`. `serve` and `db` need the server
+extra; they import it only when run.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, ParamSpec, TypeVar
+
+import typer
+import yaml
+from exgrpo_client import Client
+from exgrpo_client.errors import ExgrpoError
+from exgrpo_client.io import count_rows, read_questions
+from pydantic import ValidationError
+
+from exgrpo_cli import _render as render
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+app = typer.Typer(
+    name="exgrpo",
+    help="ExGRPO experience pool: run the service, manage pools and questions.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+pool_app = typer.Typer(help="Create, inspect, export and import pools.", no_args_is_help=True)
+questions_app = typer.Typer(help="Add questions to a pool.", no_args_is_help=True)
+db_app = typer.Typer(help="Database maintenance (needs the server extra).", no_args_is_help=True)
+app.add_typer(pool_app, name="pool")
+app.add_typer(questions_app, name="questions")
+app.add_typer(db_app, name="db")
+
+
+@dataclass
+class State:
+    url: str | None
+    token: str | None
+    json: bool
+
+    def client(self) -> Client:
+        return Client(self.url, token=self.token)
+
+
+def _state(ctx: typer.Context) -> State:
+    state = ctx.find_object(State)
+    assert state is not None, "the app callback sets the state"
+    return state
+
+
+def friendly_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Expected failures print one line on stderr and exit with status 1, without a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except (ExgrpoError, ValidationError, ValueError, OSError) as e:
+            render.print_error(e)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    url: Annotated[
+        str | None,
+        typer.Option(envvar="EXGRPO_URL", help="Service URL (default http://127.0.0.1:8700)."),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(envvar="EXGRPO_TOKEN", help="Bearer token.", show_envvar=True, show_default=False),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON on stdout instead of tables.")] = False,
+) -> None:
+    ctx.obj = State(url=url, token=token, json=as_json)
+
+
+# ------------------------------------------------------------------------------------- service
+@app.command()
+@friendly_errors
+def serve(
+    ctx: typer.Context,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (default 8700).")] = None,
+    database_url: Annotated[
+        str | None, typer.Option(help="SQLAlchemy async URL (EXGRPO_DATABASE_URL).")
+    ] = None,
+    redis_url: Annotated[str | None, typer.Option(help="Redis URL for index and idempotency cache.")] = None,
+    anonymous: Annotated[
+        bool | None,
+        typer.Option(
+            "--anonymous/--no-anonymous", help="Serve requests without a token.", show_default=False
+        ),
+    ] = None,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Create a pool `demo` with a run `demo` if it does not exist.")
+    ] = False,
+    demo_data: Annotated[
+        Path | None,
+        typer.Option(help="Question file of the demo pool (EXGRPO_DEMO_DATA); first 200 rows are used."),
+    ] = None,
+) -> None:
+    """Run the pool service. EXGRPO_* variables configure it; flags override them."""
+    from exgrpo_cli import _serve
+
+    state = _state(ctx)
+    settings = _serve.build_settings(
+        host=host, port=port, database_url=database_url, redis_url=redis_url, allow_anonymous=anonymous
+    )
+    public = settings.public_dict()
+    render.show(state.json, public, lambda: render.kv_table("settings", public))
+    _serve.serve(settings, demo=demo, demo_data=demo_data)
+
+
+@db_app.command("upgrade")
+@friendly_errors
+def db_upgrade(
+    ctx: typer.Context,
+    database_url: Annotated[
+        str | None, typer.Option(envvar="EXGRPO_DATABASE_URL", help="SQLAlchemy async URL.")
+    ] = None,
+) -> None:
+    """Apply the database migrations (alembic upgrade head)."""
+    from exgrpo_cli import _serve
+
+    url = _serve.database_url(database_url)
+    _serve.upgrade(url)
+    result = {"database_url": _serve.mask_url(url), "revision": "head"}
+    render.show(
+        _state(ctx).json, result, lambda: f"database {result['database_url']} is at the latest revision"
+    )
+
+
+# --------------------------------------------------------------------------------------- pools
+def _config_file(path: Path) -> tuple[dict[str, Any], str | None]:
+    """Pool rules from a YAML/JSON file: the PoolConfig fields, or {config, description}."""
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of pool config fields")
+    if isinstance(data.get("config"), dict):
+        return dict(data["config"]), data.get("description")
+    return data, None
+
+
+@pool_app.command("create")
+@friendly_errors
+def pool_create(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Pool name (letters, digits, _ . -).")],
+    k: Annotated[int | None, typer.Option("--k", help="Rollouts per question.", show_default="8")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Questions per step.", show_default="128")] = None,
+    experience_ratio: Annotated[
+        float | None, typer.Option(help="Share of replayed questions.", show_default="0.5")
+    ] = None,
+    weighting: Annotated[
+        Literal["normal", "linear", "sqrt", "linear_clip", "uniform"] | None,
+        typer.Option(help="Bucket weighting of replay sampling.", show_default="normal"),
+    ] = None,
+    sharing: Annotated[
+        Literal["per_run", "pooled"] | None,
+        typer.Option(help="Buckets and retirement per run, or pooled.", show_default="per_run"),
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="YAML or JSON file of pool rules (flags override it).")
+    ] = None,
+    description: Annotated[str | None, typer.Option(help="Free text.")] = None,
+) -> None:
+    """Create a pool."""
+    rules, file_description = _config_file(config) if config is not None else ({}, None)
+    flags = {
+        "k": k,
+        "batch_size": batch_size,
+        "experience_ratio": experience_ratio,
+        "weighting": weighting,
+        "sharing": sharing,
+    }
+    rules.update({key: value for key, value in flags.items() if value is not None})
+    with _state(ctx).client() as client:
+        pool = client.create_pool(name, rules, description or file_description or "")
+    render.show(_state(ctx).json, pool, lambda: render.pool_table(pool))
+
+
+@pool_app.command("list")
+@friendly_errors
+def pool_list(ctx: typer.Context) -> None:
+    """List the pools."""
+    with _state(ctx).client() as client:
+        pools = client.list_pools()
+    render.show(_state(ctx).json, pools, lambda: render.pools_table(pools))
+
+
+@pool_app.command("show")
+@friendly_errors
+def pool_show(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Pool name.")]) -> None:
+    """Show a pool and its rules."""
+    with _state(ctx).client() as client:
+        pool = client.get_pool(name)
+    render.show(_state(ctx).json, pool, lambda: render.pool_table(pool))
+
+
+@pool_app.command("stats")
+@friendly_errors
+def pool_stats(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Pool name.")]) -> None:
+    """Counts of a pool, and per run: phase, step, buckets, retired questions."""
+    with _state(ctx).client() as client:
+        stats = client.pool_stats(name)
+    render.show(_state(ctx).json, stats, lambda: render.stats_table(stats))
+
+
+@pool_app.command("export")
+@friendly_errors
+def pool_export(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Pool name.")],
+    file: Annotated[Path, typer.Argument(help="Where to write the NDJSON export.")],
+) -> None:
+    """Export a pool (questions, runs, states, trajectories) to an NDJSON file."""
+    state = _state(ctx)
+    with (
+        state.client() as client,
+        render.progress_bar(f"export {name}", total=None, unit="bytes", enabled=not state.json) as progress,
+    ):
+        exported = client.export_pool(name, file, progress)
+    h = exported.header
+    result = {
+        "pool": h.pool.name,
+        "path": str(file),
+        "num_bytes": exported.num_bytes,
+        "num_questions": h.num_questions,
+        "num_trajectories": h.num_trajectories,
+        "num_runs": h.num_runs,
+    }
+    render.show(state.json, result, lambda: render.kv_table(f"exported pool {h.pool.name}", result))
+
+
+@pool_app.command("import")
+@friendly_errors
+def pool_import(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(help="An export written by `exgrpo pool export`.")],
+    name: Annotated[str | None, typer.Option(help="Import under this name instead.")] = None,
+) -> None:
+    """Create a pool from an export file (in one transaction: all or nothing)."""
+    state = _state(ctx)
+    total = file.stat().st_size
+    with (
+        state.client() as client,
+        render.progress_bar(
+            f"import {file.name}", total=total, unit="bytes", enabled=not state.json
+        ) as progress,
+    ):
+        imported = client.import_pool(file, name, progress)
+    render.show(
+        state.json, imported, lambda: render.kv_table(f"imported pool {imported.pool}", imported.model_dump())
+    )
+
+
+# ----------------------------------------------------------------------------------- questions
+@questions_app.command("import")
+@friendly_errors
+def questions_import(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(help="Parquet (verl/ExGRPO layout), JSONL or JSON file.")],
+    pool: Annotated[str, typer.Option(help="Pool to add the questions to.")],
+    limit: Annotated[int | None, typer.Option(min=0, help="Import only the first N rows.")] = None,
+    chunk_size: Annotated[int, typer.Option(min=1, max=50_000, help="Questions per request.")] = 2000,
+) -> None:
+    """Add questions from a file. Questions already in the pool are skipped, so re-running is safe."""
+    state = _state(ctx)
+    batches = read_questions(file, batch_size=chunk_size, limit=limit)  # checks the file first
+    rows = count_rows(file)
+    total = rows if limit is None else min(rows, limit)
+    questions = itertools.chain.from_iterable(batches)
+    with (
+        state.client() as client,
+        render.progress_bar(
+            f"import {file.name}", total=total, unit="questions", enabled=not state.json
+        ) as progress,
+    ):
+        result = client.import_questions(pool, questions, chunk_size, progress)
+    render.show(
+        state.json, result, lambda: render.kv_table(f"questions imported into {pool}", result.model_dump())
+    )
+
+
+def run() -> None:  # pragma: no cover - console entry for `python -m exgrpo_cli.main`
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run()

@@ -1,0 +1,72 @@
+"""Building rollouts and reading stored trajectories: the packed-array side of the wire contract."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from exgrpo_client.schemas import RolloutResult, TrajectoryPublic, pack_ids, pack_logprobs
+
+IdsLike = Sequence[int] | npt.NDArray[np.integer]
+LogprobsLike = Sequence[float] | npt.NDArray[np.floating]
+
+_INT32_MAX = 2**31 - 1
+
+
+def rollout(
+    reward: float,
+    token_ids: IdsLike | None,
+    logprobs: LogprobsLike | None,
+    *,
+    entropy: float | None = None,
+    replayed: bool = False,
+    finish_reason: Literal["stop", "length", "abort"] | None = None,
+) -> RolloutResult:
+    """One graded rollout, its token ids and log-probs packed as base64 arrays.
+
+    `token_ids` and `logprobs` are lists or numpy arrays of the same length (the response tokens
+    only, prompt excluded). Pass both as None for a rollout without payload (an incorrect one,
+    or the replayed row whose trajectory the service already stores)."""
+    if (token_ids is None) != (logprobs is None):
+        raise ValueError("give token_ids and logprobs together, or neither")
+    fields: dict[str, object] = {"reward": float(reward), "replayed": replayed}
+    if entropy is not None:
+        fields["entropy"] = float(entropy)
+    if finish_reason is not None:
+        fields["finish_reason"] = finish_reason
+    if token_ids is not None and logprobs is not None:
+        ids = np.asarray(token_ids)
+        lps = np.asarray(logprobs, dtype=np.float64)
+        if ids.ndim != 1 or lps.ndim != 1:
+            raise ValueError(f"token_ids and logprobs must be 1-D, got shapes {ids.shape} and {lps.shape}")
+        if ids.shape != lps.shape:
+            raise ValueError(f"token_ids ({ids.size}) and logprobs ({lps.size}) differ in length")
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() > _INT32_MAX):
+            raise ValueError("token ids must be in [0, 2^31)")
+        fields["token_ids_b64"] = pack_ids(ids.astype(np.int64).tolist())
+        fields["logprobs_b64"] = pack_logprobs(lps.tolist())
+    return RolloutResult.model_validate(fields)
+
+
+def decode_trajectory(trajectory: TrajectoryPublic) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]:
+    """Token ids (int32) and log-probs (float32) of a stored trajectory.
+
+    The trajectory must carry its payload: ask for it with `payload=True` (question detail) or
+    `candidates=...` (replay plans)."""
+    if trajectory.token_ids_b64 is None or trajectory.logprobs_b64 is None:
+        raise ValueError(
+            f"trajectory {trajectory.id} has no payload: fetch it with payload=True "
+            "to get token ids and log-probs"
+        )
+    ids = np.frombuffer(base64.b64decode(trajectory.token_ids_b64, validate=True), dtype="<i4")
+    lps = np.frombuffer(base64.b64decode(trajectory.logprobs_b64, validate=True), dtype="<f4")
+    if ids.shape != lps.shape:
+        raise ValueError(f"trajectory {trajectory.id}: {ids.size} token ids but {lps.size} log-probs")
+    # astype copies: frombuffer arrays are read-only views of the decoded bytes
+    return ids.astype(np.int32), lps.astype(np.float32)

@@ -1,0 +1,71 @@
+"""Fixtures shared by the test folders: a real pool service on a free loopback port.
+
+`live_server` runs uvicorn with the real app (SQLite in a temporary folder, anonymous access,
+which the service grants every scope on a loopback bind) in a background thread, once per
+session. Tests that use it create pools under unique names, so they do not see each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass(frozen=True)
+class LiveServer:
+    url: str
+    database_url: str
+
+
+@contextlib.contextmanager
+def run_live_server(database_url: str, **settings: object) -> Iterator[LiveServer]:
+    """The app under uvicorn in a thread, on an ephemeral 127.0.0.1 port, until the block ends."""
+    import uvicorn
+    from exgrpo_pool.app import create_app
+    from exgrpo_pool.config import Settings
+
+    values: dict[str, object] = {"allow_anonymous": True, "log_level": "WARNING", **settings}
+    app = create_app(Settings(database_url=database_url, **values))  # type: ignore[arg-type]
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_config=None, log_level="warning", access_log=False, ws="none"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="exgrpo-live-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test pool service did not start (see the captured log)")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield LiveServer(url=f"http://127.0.0.1:{port}", database_url=database_url)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    db: Path = tmp_path_factory.mktemp("live-server") / "pool.db"
+    with run_live_server(f"sqlite+aiosqlite:///{db}") as server:
+        yield server
+
+
+@pytest.fixture
+def start_live_server() -> Callable[..., contextlib.AbstractContextManager[LiveServer]]:
+    """`run_live_server` itself, for tests that need a server with their own settings."""
+    return run_live_server
+
+
+@pytest.fixture
+def pool_name() -> str:
+    """A pool name no other test uses."""
+    return f"t-{uuid.uuid4().hex[:10]}"
