@@ -1,0 +1,82 @@
+"""Resumable checkpoints with torch.distributed.checkpoint: model, optimizer, RNG, step.
+
+Layout: `<dir>/step-000123/` holds the DCP shards plus `extra-rank<r>.pt` (RNG states and
+counters of each rank); `<dir>/latest` names the newest complete one.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from exgrpo_trainer import dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    def __init__(self, root: Path, keep: int) -> None:
+        self.root = root
+        self.keep = keep
+
+    def latest(self) -> Path | None:
+        marker = self.root / "latest"
+        if not marker.exists():
+            return None
+        path = self.root / marker.read_text().strip()
+        return path if path.exists() else None
+
+    def save(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict[str, Any]
+    ) -> Path:
+        path = self.root / f"step-{step:06d}"
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+        torch.save({"step": step, "rng": _rng_state(), **extra}, path / f"extra-rank{dist.rank()}.pt")
+        dist.barrier()
+        if dist.is_main():
+            (self.root / "latest.tmp").write_text(path.name)
+            (self.root / "latest.tmp").replace(self.root / "latest")
+            done = sorted(p for p in self.root.glob("step-*") if p.is_dir())
+            for old in done[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return path
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra_file = path / f"extra-rank{dist.rank()}.pt"
+        if not extra_file.exists():
+            raise ValueError(
+                f"{path} was written by a run with fewer ranks (no {extra_file.name}); "
+                "resume with the same number of processes"
+            )
+        extra: dict[str, Any] = torch.load(extra_file, weights_only=False)
+        _set_rng_state(extra.pop("rng"))
+        return extra

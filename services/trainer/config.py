@@ -1,0 +1,184 @@
+"""Trainer configuration: a tree of sections, from YAML plus `key=value` overrides.
+
+    exgrpo train --config run.yaml optim.lr=2e-6 experience.enabled=false
+
+Every field has a docstring underneath it; cross-field checks name the setting to change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(_Section):
+    pool_url: str = "http://127.0.0.1:8700"
+    """Base URL of the pool service."""
+    token: str | None = None
+    """Bearer token for the pool service (or $EXGRPO_TOKEN)."""
+    pool: str = "default"
+    """Pool to train from."""
+    name: str = "run-1"
+    """Run name in the pool (created if missing)."""
+    seed: int = 0
+    """Seeds the run's fresh order and replay draws (service) and sampling/shuffles (trainer)."""
+    steps: int = 100
+    """Training steps to run (the run continues from the service's step when resumed)."""
+    output_dir: Path = Path("exgrpo-data/runs/run-1")
+    """Run folder: config, metrics, checkpoints, published weights."""
+
+
+class ModelSection(_Section):
+    path: Path = Path("model")
+    """Local folder in Hugging Face format (config, weights, tokenizer with a chat template)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype for compute: auto = bfloat16 mixed precision on GPU, float32 on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute decoder layers in backward to save memory."""
+    max_prompt_len: int = Field(1024, ge=8)
+    """Prompts longer than this (after the chat template) are cut from the left."""
+    drop_system_prompt: bool = False
+    """Drop system messages before applying the chat template."""
+
+
+class RolloutSection(_Section):
+    engine: Literal["colocated", "remote"] = "colocated"
+    """colocated: the trainer generates with its own model; remote: rollout workers claim tasks."""
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(512, ge=1)
+    """Maximum response length (also L_max of the loss normaliser unless loss.max_response_len is set)."""
+    min_new_tokens: int = Field(0, ge=0)
+    grader: str = "math_think"
+    """Reward function: math_think, boxed, choice, arithmetic, or a dotted path to a function."""
+    grading_workers: int = Field(2, ge=0)
+    """Processes grading in parallel with hard timeouts (0 grades in process)."""
+    grading_timeout_s: float = Field(5.0, gt=0)
+    results_timeout_s: float = Field(3600.0, gt=0)
+    """Remote engine: how long to wait for the workers to complete a batch."""
+    max_batch_rows: int = Field(256, ge=1)
+    """Sequences generated at once by the colocated engine."""
+
+
+class ExperienceSection(_Section):
+    enabled: bool = True
+    """False trains plain on-policy GRPO on the same machinery (no replay, no phase switch)."""
+    ratio: float | None = Field(None, ge=0, le=1)
+    """Experience ratio rho; None uses the pool's."""
+    start_threshold: float | None = Field(None, ge=0, le=1)
+    """Delayed-start threshold; None uses the pool's."""
+    metric: Literal["ent", "ppl", "random"] = "ent"
+    """Trajectory choice for replayed questions: lowest mean token entropy under the current policy."""
+    select_mode: Literal["argmin", "argmax"] = "argmin"
+    batch_size: int | None = Field(None, ge=1)
+    """Questions per step; None uses the pool's."""
+
+
+class LossSection(_Section):
+    clip_eps: float = 0.2
+    clip_upper_bound: float = 1.0
+    clip_before_switch: bool = True
+    clip_after_switch: bool = False
+    beta: float = Field(0.1, gt=0)
+    """Policy shaping f(w) = w / (w + beta) of replayed tokens."""
+    max_response_len: int | None = None
+    """L_max of the normaliser; None = rollout.max_new_tokens."""
+    normalizer: float | None = None
+    """Constant divisor of the summed token losses; None = L_max * 8 (spec default)."""
+    entropy_coeff: float = 0.001
+    kl_coeff: float = 0.0
+    exp_is_correct: bool = True
+    """Replayed tokens use the stored behaviour log-probs (True) or pi_old (False)."""
+    advantage_std: bool = False
+    """Divide advantages by the group's std (off in ExGRPO)."""
+
+
+class OptimSection(_Section):
+    lr: float = Field(1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    grad_clip: float = Field(1.0, gt=0)
+    skip_grad_above: float = Field(500.0, gt=0)
+    """Skip the optimizer step when the pre-clip gradient norm is non-finite or above this."""
+    mini_batches: int = Field(2, ge=1)
+    """Optimizer steps per training step (the batch's rows are split into this many)."""
+    micro_batch_tokens: int = Field(16384, ge=64)
+    """Token budget (rows x padded length) of one forward/backward."""
+
+
+class ScheduleSection(_Section):
+    publish_every: int = Field(10, ge=0)
+    """Publish weights (safetensors + policy version on the service) every N steps; 0 = never."""
+    checkpoint_every: int = Field(50, ge=0)
+    """Save a resumable checkpoint every N steps (and at the end); 0 = only at the end."""
+    keep_checkpoints: int = Field(2, ge=1)
+
+
+class LoggingSection(_Section):
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    """Log to Weights & Biases when it is installed."""
+    wandb_project: str = "exgrpo"
+    progress: bool = True
+    """A live progress bar on the terminal."""
+    send_to_service: bool = True
+    """Send each step's metrics with the commit, so the API and dashboard show curves."""
+
+
+class TrainConfig(_Section):
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    experience: ExperienceSection = Field(default_factory=ExperienceSection)
+    loss: LossSection = Field(default_factory=LossSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.rollout.min_new_tokens > self.rollout.max_new_tokens:
+            raise ValueError("rollout.min_new_tokens must not exceed rollout.max_new_tokens")
+        return self
+
+    @property
+    def max_response_len(self) -> int:
+        return self.loss.max_response_len or self.rollout.max_new_tokens
+
+
+def _parse_value(raw: str) -> Any:
+    return yaml.safe_load(raw) if raw != "" else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`section.key=value` pairs; values are parsed as YAML (numbers, booleans, lists)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected key=value, e.g. optim.lr=1e-6")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {p} is not a section")
+        node[parts[-1]] = _parse_value(raw)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        data = loaded or {}
+    return TrainConfig.model_validate(apply_overrides(data, overrides or []))

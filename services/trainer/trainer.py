@@ -1,0 +1,719 @@
+"""The ExGRPO learner: one step = plan -> rescore -> generate -> grade -> old log-probs -> update ->
+commit -> publish -> checkpoint. Rank 0 talks to the pool service; every rank computes.
+
+Distributed rules: every forward of the FSDP2 model is a collective, so each rank runs the same
+number of forwards (work is split into equal chunks, padded with throw-away rows), and losses are
+multiplied by the world size so FSDP's gradient average becomes the sum the constant-normaliser
+objective asks for. One process is a group of one and runs the same code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import yaml
+from exgrpo_client import Client, rollout
+from exgrpo_client import schemas as s
+from exgrpo_client.errors import NotFound
+from exgrpo_rollout.engines.base import SamplingConfig
+from exgrpo_rollout.engines.hf import TransformersEngine
+from exgrpo_trainer import dist
+from exgrpo_trainer.algo import (
+    Completion,
+    ExGRPOLoss,
+    LossConfig,
+    PlannedQuestion,
+    Row,
+    build_rows,
+    choose_trajectory,
+    row_advantages,
+)
+from exgrpo_trainer.checkpoint import Checkpointer
+from exgrpo_trainer.config import TrainConfig
+from exgrpo_trainer.model import load_model, load_tokenizer, pad_rows, response_forward, save_hf, unsharded
+from exgrpo_trainer.telemetry import MetricsLogger
+
+log = logging.getLogger("exgrpo.trainer")
+T = TypeVar("T")
+
+
+def _seed(*keys: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(keys).encode()).digest()[:4], "little")
+
+
+def _split(items: Sequence[T], parts: int, index: int) -> tuple[list[T], int]:
+    """Contiguous chunk `index` of `parts` equal chunks (the last ones padded by the caller)."""
+    per = math.ceil(len(items) / parts) if items else 0
+    return list(items[index * per : (index + 1) * per]), per
+
+
+@dataclass
+class StepData:
+    plan: s.BatchPlan
+    questions: list[PlannedQuestion]
+    slots: list[tuple[int, bool]]  # (question id, replayed) per slot
+    rows: list[Row]
+    finish: list[str | None]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, client: Client | None = None) -> None:
+        self.cfg = cfg
+        self.device = dist.init()
+        self.out = cfg.run.output_dir
+        if dist.is_main():
+            self.out.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        torch.manual_seed(_seed(cfg.run.seed, "init"))
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.model = load_model(
+            cfg.model.path,
+            self.device,
+            dtype=cfg.model.dtype,
+            activation_checkpointing=cfg.model.activation_checkpointing,
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.optim.lr,
+            betas=cfg.optim.betas,
+            weight_decay=cfg.optim.weight_decay,
+        )
+        self.loss = ExGRPOLoss(
+            LossConfig(
+                clip_eps=cfg.loss.clip_eps,
+                clip_upper_bound=cfg.loss.clip_upper_bound,
+                clip_before_switch=cfg.loss.clip_before_switch,
+                clip_after_switch=cfg.loss.clip_after_switch,
+                beta=cfg.loss.beta,
+                max_response_len=cfg.max_response_len,
+                normalizer=cfg.loss.normalizer,
+                entropy_coeff=cfg.loss.entropy_coeff,
+                kl_coeff=cfg.loss.kl_coeff,
+                exp_is_correct=cfg.loss.exp_is_correct,
+            )
+        )
+        if cfg.loss.kl_coeff > 0:
+            raise ValueError(
+                "loss.kl_coeff > 0 needs a reference model, which this trainer does not load yet"
+            )
+        self.engine = TransformersEngine(
+            self.model,
+            self.tokenizer,
+            max_batch_rows=cfg.rollout.max_batch_rows,
+            synced_gpus=dist.world() > 1,
+        )
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.client = (
+            client
+            if client is not None
+            else (Client(cfg.run.pool_url, token=cfg.run.token) if dist.is_main() else None)
+        )
+        self.grading: Any = None
+        if dist.is_main() and cfg.rollout.grading_workers > 0:
+            from exgrpo_rollout.graders.pool import GradingPool
+
+            self.grading = GradingPool(cfg.rollout.grading_workers)
+        self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.schedule.keep_checkpoints)
+        self.step = 0
+        self.k = 0
+        self.policy_version = 0
+        self.logger: MetricsLogger | None = None
+        self.timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------- the loop
+    def train(self) -> None:
+        self._attach_run()
+        self._resume()
+        if dist.is_main():
+            (self.out / "config.yaml").write_text(
+                yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
+            )
+            self.logger = MetricsLogger(
+                self.out, self.cfg.logging, self.cfg.run.steps, self.cfg.model_dump(mode="json")
+            )
+            self.logger.advance_to(self.step)
+        try:
+            while self.step < self.cfg.run.steps:
+                metrics = self.train_step()
+                if self.logger is not None:
+                    self.logger.log(self.step, metrics)
+                every = self.cfg.schedule.checkpoint_every
+                if (every and self.step % every == 0) or self.step == self.cfg.run.steps:
+                    self.save_checkpoint()
+        finally:
+            if self.logger is not None:
+                self.logger.close()
+
+    def close(self) -> None:
+        if self.grading is not None:
+            self.grading.close()
+        if self.client is not None:
+            self.client.close()
+
+    def train_step(self) -> dict[str, float]:
+        self.timings = {}
+        start = time.perf_counter()
+        with self._timed("plan"):
+            plan = dist.broadcast(self._plan() if dist.is_main() else None)
+        mixed = plan.phase == "mixed"
+        prompts = {item.question_id: self._prompt_ids(item.prompt) for item in [*plan.fresh, *plan.replay]}
+        with self._timed("rescore"):
+            chosen = self._choose_replays(plan, prompts)
+        with self._timed("generate"):
+            data = self._rollouts(plan, prompts, chosen)
+        with self._timed("old_logprob"):
+            old_lp, old_ent = self._score(
+                [r.prompt_ids for r in data.rows], [r.response_ids for r in data.rows], with_entropy=True
+            )
+        adv = row_advantages(data.rows, use_std=self.cfg.loss.advantage_std)
+        with self._timed("update"):
+            update_metrics = self._update(data.rows, old_lp, adv, mixed)
+        metrics = self._step_metrics(data, old_ent, update_metrics, mixed)
+        with self._timed("commit"):
+            result = dist.broadcast(self._commit(data, old_lp, old_ent, metrics) if dist.is_main() else None)
+        self.step = result.step
+        with self._timed("publish"):
+            every = self.cfg.schedule.publish_every
+            if every and self.step % every == 0:
+                self.publish()
+        if dist.is_main():
+            metrics.update(self._experience_stats(plan))
+        metrics.update({f"timing/{k}": v for k, v in self.timings.items()})
+        metrics["timing/step"] = time.perf_counter() - start
+        metrics["phase/switched"] = float(result.switched)
+        return metrics
+
+    # ------------------------------------------------------------------------------ service
+    def _attach_run(self) -> None:
+        info = None
+        if dist.is_main():
+            assert self.client is not None
+            cfg = self.cfg
+            try:
+                run = self.client.get_run(cfg.run.pool, cfg.run.name)
+            except NotFound:
+                overrides = s.RunOverrides(
+                    experience=cfg.experience.enabled,
+                    experience_ratio=cfg.experience.ratio,
+                    start_threshold=cfg.experience.start_threshold,
+                    batch_size=cfg.experience.batch_size,
+                )
+                run = self.client.create_run(
+                    cfg.run.pool, cfg.run.name, seed=cfg.run.seed, overrides=overrides
+                )
+                log.info("created run %s in pool %s", cfg.run.name, cfg.run.pool)
+            pool = self.client.get_pool(cfg.run.pool)
+            info = (run.step, run.policy_version, pool.config.k)
+        self.step, self.policy_version, self.k = dist.broadcast(info)
+
+    def _plan(self) -> s.BatchPlan:
+        assert self.client is not None
+        return self.client.plan_batch(
+            self.cfg.run.pool,
+            self.cfg.run.name,
+            candidates="all",
+            create_tasks=self.cfg.rollout.engine == "remote",
+        )
+
+    def _commit(
+        self, data: StepData, old_lp: list[list[float]], old_ent: list[list[float]], metrics: dict[str, float]
+    ) -> s.CommitResult:
+        assert self.client is not None
+        groups: list[s.GroupResult] = []
+        by_group: dict[int, list[int]] = defaultdict(list)
+        for i, row in enumerate(data.rows):
+            by_group[row.group].append(i)
+        for g, (qid, _replayed) in enumerate(data.slots):
+            rollouts = []
+            for i in by_group[g]:
+                row = data.rows[i]
+                mean_ent = float(np.mean(old_ent[i])) if old_ent[i] else None
+                if row.replayed:
+                    rollouts.append(rollout(row.reward, None, None, entropy=mean_ent, replayed=True))
+                elif row.reward == 1.0 and row.response_ids:
+                    rollouts.append(
+                        rollout(
+                            row.reward,
+                            row.response_ids,
+                            np.minimum(old_lp[i], 0.0),
+                            entropy=mean_ent,
+                            finish_reason=data.finish[i],
+                        )
+                    )
+                else:
+                    rollouts.append(
+                        rollout(row.reward, None, None, entropy=mean_ent, finish_reason=data.finish[i])
+                    )
+            groups.append(s.GroupResult(question_id=qid, rollouts=rollouts))
+        sent = metrics if self.cfg.logging.send_to_service else {}
+        return self.client.commit_batch(
+            self.cfg.run.pool,
+            data.plan.id,
+            groups,
+            policy_version=self.policy_version,
+            metrics={k: v for k, v in sent.items() if math.isfinite(v)},
+        )
+
+    def _experience_stats(self, plan: s.BatchPlan) -> dict[str, float]:
+        assert self.client is not None
+        st = self.client.run_stats(self.cfg.run.pool, self.cfg.run.name)
+        out = {
+            "experience/eligible": float(st.eligible),
+            "experience/retired": float(st.retired),
+            "experience/seen": float(st.seen),
+            "experience/trajectories": float(st.trajectories),
+            "experience/replay_share": len(plan.replay) / max(1, len(plan.replay) + len(plan.fresh)),
+        }
+        for b in st.buckets:
+            out[f"experience/bucket_{b.bucket}"] = float(b.questions)
+        return out
+
+    # ------------------------------------------------------------------------------ prompts
+    def _prompt_ids(self, messages: list[s.ChatMessage]) -> list[int]:
+        msgs = [
+            {"role": m.role, "content": m.content}
+            for m in messages
+            if not (self.cfg.model.drop_system_prompt and m.role == "system")
+        ]
+        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        limit = self.cfg.model.max_prompt_len
+        return ids[-limit:] if len(ids) > limit else ids
+
+    # ---------------------------------------------------------------------- replay choice
+    def _choose_replays(
+        self, plan: s.BatchPlan, prompts: dict[int, list[int]]
+    ) -> dict[int, s.TrajectoryPublic]:
+        """Lowest mean token entropy under the current policy (spec 4.2), per replayed question."""
+        from exgrpo_client import decode_trajectory
+
+        pairs: list[tuple[int, s.TrajectoryPublic]] = [
+            (item.question_id, c) for item in plan.replay for c in item.candidates
+        ]
+        if not pairs:
+            return {}
+        metric = self.cfg.experience.metric
+        scores: list[float]
+        if metric == "random":
+            rng = np.random.default_rng(_seed(self.cfg.run.seed, plan.step, "choice"))
+            scores = rng.random(len(pairs)).tolist()
+        else:
+            ids = [decode_trajectory(c)[0].tolist() for _, c in pairs]
+            lp, ent = self._score([prompts[q] for q, _ in pairs], ids, with_entropy=metric == "ent")
+            scores = (
+                [float(np.mean(e)) for e in ent]
+                if metric == "ent"
+                else [float(math.exp(-np.mean(x))) for x in lp]
+            )
+        chosen: dict[int, s.TrajectoryPublic] = {}
+        start = 0
+        for item in plan.replay:
+            n = len(item.candidates)
+            if n:
+                best = choose_trajectory(scores[start : start + n], mode=self.cfg.experience.select_mode)
+                chosen[item.question_id] = item.candidates[best]
+            start += n
+        return chosen
+
+    # ----------------------------------------------------------------------------- rollouts
+    def _rollouts(
+        self, plan: s.BatchPlan, prompts: dict[int, list[int]], chosen: dict[int, s.TrajectoryPublic]
+    ) -> StepData:
+        from exgrpo_client import decode_trajectory
+
+        k = plan.k
+        replay_items = [r for r in plan.replay if r.question_id in chosen]
+        questions: list[PlannedQuestion] = []
+        slots: list[tuple[int, bool]] = []
+        replay_texts: list[tuple[str, str]] = []
+        for item in replay_items:
+            ids, lps = decode_trajectory(chosen[item.question_id])
+            questions.append(
+                PlannedQuestion(
+                    question_id=item.question_id,
+                    prompt_ids=prompts[item.question_id],
+                    replay=Completion(response_ids=ids.tolist(), reward=1.0, logprobs=lps.tolist()),
+                )
+            )
+            slots.append((item.question_id, True))
+            replay_texts.append(
+                (self.tokenizer.decode(ids.tolist(), skip_special_tokens=False), item.ground_truth)
+            )
+        for item in plan.fresh:
+            questions.append(
+                PlannedQuestion(question_id=item.question_id, prompt_ids=prompts[item.question_id])
+            )
+            slots.append((item.question_id, False))
+        gts = {i.question_id: i.ground_truth for i in [*plan.fresh, *plan.replay]}
+        if self.cfg.rollout.engine == "remote":
+            completions = self._remote_completions(plan, questions) if dist.is_main() else None
+            gen = dist.broadcast(completions)
+        else:
+            gen = self._generate_colocated(plan, questions, k)
+        # grade on rank 0 (process pool with hard timeouts), share the rewards
+        rewards: list[list[float]] | None = None
+        replay_rewards: list[float] | None = None
+        if dist.is_main():
+            items = [(c.text, gts[q.question_id]) for q, cs in zip(questions, gen, strict=True) for c in cs]
+            flat = self._grade(items + replay_texts)
+            rr = iter(flat[: len(items)])
+            rewards = [[next(rr) for _ in cs] for cs in gen]
+            replay_rewards = flat[len(items) :]
+        rewards, replay_rewards = dist.broadcast((rewards, replay_rewards))
+        assert rewards is not None and replay_rewards is not None
+        generated = [
+            [
+                Completion(response_ids=c.token_ids, reward=r, logprobs=c.logprobs)
+                for c, r in zip(cs, rs, strict=True)
+            ]
+            for cs, rs in zip(gen, rewards, strict=True)
+        ]
+        for i, q in enumerate(questions[: len(replay_items)]):
+            assert q.replay is not None
+            questions[i] = PlannedQuestion(
+                question_id=q.question_id,
+                prompt_ids=q.prompt_ids,
+                replay=Completion(
+                    response_ids=q.replay.response_ids, reward=replay_rewards[i], logprobs=q.replay.logprobs
+                ),
+            )
+        rows = build_rows(questions, generated, k=k, max_response_len=self.cfg.max_response_len)
+        finish: list[str | None] = []
+        for q, cs in zip(questions, gen, strict=True):
+            finish.extend(([None] if q.replayed else []) + [c.finish_reason for c in cs])
+        return StepData(plan=plan, questions=questions, slots=slots, rows=rows, finish=finish)
+
+    def _grade(self, items: list[tuple[str, str]]) -> list[float]:
+        name = self.cfg.rollout.grader
+        if not items:
+            return []
+        if self.grading is not None:
+            grades = self.grading.grade_many(name, items, timeout_s=self.cfg.rollout.grading_timeout_s)
+        else:
+            from exgrpo_rollout.graders.pool import grade_one
+
+            grades = [grade_one(name, r, g, timeout_s=self.cfg.rollout.grading_timeout_s) for r, g in items]
+        return [float(g.reward) for g in grades]
+
+    def _generate_colocated(
+        self, plan: s.BatchPlan, questions: list[PlannedQuestion], k: int
+    ) -> list[list[Any]]:
+        out: list[list[Any]] = [[] for _ in questions]
+        for n in sorted({q.num_generations(k) for q in questions}):
+            idx = [i for i, q in enumerate(questions) if q.num_generations(k) == n]
+            mine, per = _split(idx, dist.world(), dist.rank())
+            if per == 0:
+                continue
+            mine += [idx[0]] * (per - len(mine))  # equal work on every rank (throw-away pads)
+            sampling = SamplingConfig(
+                n=n,
+                temperature=self.cfg.rollout.temperature,
+                top_p=self.cfg.rollout.top_p,
+                max_new_tokens=self.cfg.rollout.max_new_tokens,
+                min_new_tokens=self.cfg.rollout.min_new_tokens,
+                seed=_seed(self.cfg.run.seed, plan.step, n, dist.rank()),
+            )
+            with unsharded(self.model), torch.no_grad():
+                res = self.engine.generate([questions[i].prompt_ids for i in mine], sampling)
+            gathered = dist.gather(res)
+            flat = [cs for part in gathered for cs in part][: len(idx)]
+            for i, cs in zip(idx, flat, strict=True):
+                out[i] = cs
+        return out
+
+    def _remote_completions(self, plan: s.BatchPlan, questions: list[PlannedQuestion]) -> list[list[Any]]:
+        from exgrpo_client import decode_trajectory
+        from exgrpo_rollout.engines.base import Completion as EngineCompletion
+
+        assert self.client is not None
+        deadline = time.monotonic() + self.cfg.rollout.results_timeout_s
+        while True:
+            res = self.client.batch_results(self.cfg.run.pool, plan.id, wait=30.0)
+            if res.complete:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"batch {plan.id}: workers did not finish within rollout.results_timeout_s"
+                )
+        # a replayed question's task asks for K-1 samples, a fresh one's for K (one question can be both)
+        by_q = {(g.question_id, len(g.rollouts) == plan.k - 1): g for g in res.groups}
+        out = []
+        for q in questions:
+            g = by_q[(q.question_id, q.replayed)]
+            comps = []
+            for r in g.rollouts:
+                traj = s.TrajectoryPublic(
+                    id=0,
+                    question_id=q.question_id,
+                    source_run=None,
+                    policy_version=0,
+                    step=0,
+                    reward=r.reward,
+                    entropy=None,
+                    num_tokens=0,
+                    created_at=plan.created_at,
+                    token_ids_b64=r.token_ids_b64,
+                    logprobs_b64=r.logprobs_b64,
+                )
+                ids, lps = decode_trajectory(traj)
+                comps.append(
+                    EngineCompletion(
+                        token_ids=ids.tolist(),
+                        logprobs=lps.tolist(),
+                        finish_reason=r.finish_reason or "stop",
+                        text=self.tokenizer.decode(ids.tolist(), skip_special_tokens=False),
+                    )
+                )
+            out.append(comps)
+        return out
+
+    # ------------------------------------------------------------------------------ scoring
+    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Indices grouped so that rows x padded length stays under the token budget."""
+        budget = self.cfg.optim.micro_batch_tokens
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        for i in order:
+            width = max([lengths[j] for j in cur] + [lengths[i]])
+            if cur and width * (len(cur) + 1) > budget:
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def _score(
+        self, prompts: list[list[int]], responses: list[list[int]], *, with_entropy: bool
+    ) -> tuple[list[list[float]], list[list[float]]]:
+        """Response log-probs (and entropies) of every row under the current weights, no grad."""
+        idx = list(range(len(prompts)))
+        mine, per = _split(idx, dist.world(), dist.rank())
+        if per == 0:
+            return [], []
+        mine += [idx[0]] * (per - len(mine))
+        mbs = self._micro_batches([len(prompts[i]) + len(responses[i]) for i in mine])
+        count = dist.all_max(len(mbs))
+        mbs += [[0]] * (count - len(mbs))
+        lp_out: dict[int, list[float]] = {}
+        ent_out: dict[int, list[float]] = {}
+        with torch.no_grad():
+            for mb in mbs:
+                rows = [mine[j] for j in mb]
+                ids, att, rids, _rmask, pos = pad_rows(
+                    [prompts[i] for i in rows], [responses[i] for i in rows], self.pad_id, self.device
+                )
+                lp, ent = response_forward(self.model, ids, att, rids, pos, with_entropy=with_entropy)
+                for j, i in enumerate(rows):
+                    n = len(responses[i])
+                    lp_out[i] = lp[j, :n].float().cpu().tolist()
+                    ent_out[i] = ent[j, :n].float().cpu().tolist() if ent is not None else []
+        gathered = dist.gather((lp_out, ent_out))
+        all_lp: dict[int, list[float]] = {}
+        all_ent: dict[int, list[float]] = {}
+        for a, b in gathered:
+            all_lp.update(a)
+            all_ent.update(b)
+        return [all_lp[i] for i in idx], [all_ent[i] for i in idx]
+
+    # ------------------------------------------------------------------------------- update
+    def _update(
+        self, rows: list[Row], old_lp: list[list[float]], adv: list[float], mixed: bool
+    ) -> dict[str, float]:
+        cfg = self.cfg
+        rng = np.random.default_rng(_seed(cfg.run.seed, self.step + 1, "minibatch"))
+        order = rng.permutation(len(rows)).tolist()
+        parts = [order[i :: cfg.optim.mini_batches] for i in range(cfg.optim.mini_batches)]
+        collected: list[dict[str, float]] = []
+        stats: dict[str, float] = {"optim/skipped": 0.0, "optim/grad_norm": 0.0}
+        for part in parts:
+            if not part:
+                continue
+            n_tokens = float(sum(len(rows[i].response_ids) for i in part))
+            mine, _ = _split(part, dist.world(), dist.rank())
+            mbs = self._micro_batches([len(rows[i].prompt_ids) + len(rows[i].response_ids) for i in mine])
+            count = dist.all_max(len(mbs))
+            mbs += [[]] * (count - len(mbs))
+            for mb in mbs:
+                chosen = [mine[j] for j in mb]
+                collected.append(self._micro_step(rows, old_lp, adv, chosen, mixed, max(n_tokens, 1.0)))
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+            norm_f = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            stats["optim/grad_norm"] = max(stats["optim/grad_norm"], norm_f)
+            if not math.isfinite(norm_f) or norm_f > cfg.optim.skip_grad_above:
+                stats["optim/skipped"] += 1.0
+                log.warning("skipping the optimizer step: gradient norm %s", norm_f)
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        merged = self._merge_metrics(dist.gather(collected))
+        merged.update(stats)
+        return merged
+
+    def _micro_step(
+        self,
+        rows: list[Row],
+        old_lp: list[list[float]],
+        adv: list[float],
+        chosen: list[int],
+        mixed: bool,
+        n_tokens: float,
+    ) -> dict[str, float]:
+        dummy = not chosen
+        if dummy:  # keep the collectives in step with the other ranks; contributes no gradient
+            chosen = [0]
+        sel = [rows[i] for i in chosen]
+        ids, att, rids, rmask, pos = pad_rows(
+            [r.prompt_ids for r in sel], [r.response_ids for r in sel], self.pad_id, self.device
+        )
+        lp, ent = response_forward(self.model, ids, att, rids, pos, with_entropy=True)
+        width = rids.shape[1]
+
+        def padded(values: list[list[float]] | list[list[float] | None]) -> torch.Tensor:
+            t = torch.zeros((len(sel), width), dtype=torch.float32)
+            for j, v in enumerate(values):
+                if v:
+                    t[j, : len(v)] = torch.tensor(v[:width], dtype=torch.float32)
+            return t.to(self.device)
+
+        old = padded([old_lp[i] for i in chosen])
+        past = padded([r.behaviour_logprobs if r.replayed else None for r in sel])
+        replay_mask = torch.tensor([[r.replayed] for r in sel], device=self.device).expand_as(rmask) & rmask
+        advantages = torch.tensor([adv[i] for i in chosen], dtype=torch.float32, device=self.device)
+        loss, metrics = self.loss(
+            lp.float(),
+            old_logprobs=old,
+            advantages=advantages,
+            loss_mask=rmask,
+            mixed_phase=mixed,
+            replay_mask=replay_mask,
+            past_logprobs=past,
+            entropy=ent,
+            num_loss_tokens=n_tokens,
+        )
+        scale = 0.0 if dummy else float(dist.world())
+        (loss * scale).backward()
+        if dummy:
+            return {}
+        metrics["_tokens"] = float(rmask.sum().item())
+        return metrics
+
+    @staticmethod
+    def _merge_metrics(per_rank: list[list[dict[str, float]]]) -> dict[str, float]:
+        parts = [m for rank in per_rank for m in rank if m]
+        if not parts:
+            return {}
+        out: dict[str, float] = {}
+        weights = [m.get("_tokens", 0.0) for m in parts]
+        total = sum(weights) or 1.0
+        keys = {k for m in parts for k in m if k != "_tokens"}
+        for k in keys:
+            vals = [m[k] for m in parts if k in m]
+            if k.startswith("loss/") or k.startswith("tokens/"):
+                out[k] = float(sum(vals))
+            elif k.endswith("_max"):
+                out[k] = float(max(vals))
+            elif k.endswith("_min"):
+                out[k] = float(min(vals))
+            else:
+                out[k] = float(sum(m[k] * w for m, w in zip(parts, weights, strict=True) if k in m) / total)
+        return out
+
+    # ------------------------------------------------------------------------------ metrics
+    def _step_metrics(
+        self, data: StepData, old_ent: list[list[float]], update: dict[str, float], mixed: bool
+    ) -> dict[str, float]:
+        rewards = [r.reward for r in data.rows]
+        generated = [r for r in data.rows if not r.replayed]
+        lengths = [len(r.response_ids) for r in generated]
+        truncated = sum(1 for f in data.finish if f == "length")
+        m = {
+            "batch/solved": float(np.mean([x == 1.0 for x in rewards])) if rewards else 0.0,
+            "batch/reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+            "batch/questions": float(len(data.slots)),
+            "batch/replayed_questions": float(sum(1 for _, rep in data.slots if rep)),
+            "batch/rows": float(len(data.rows)),
+            "response/length_mean": float(np.mean(lengths)) if lengths else 0.0,
+            "response/length_max": float(max(lengths)) if lengths else 0.0,
+            "response/truncated_frac": truncated / max(1, len(generated)),
+            "actor/old_entropy": float(np.mean([np.mean(e) for e in old_ent if e])) if old_ent else 0.0,
+            "phase/mixed": float(mixed),
+            **update,
+        }
+        return m
+
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        yield
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t
+
+    # ------------------------------------------------------------------- publish / checkpoint
+    def publish(self) -> Path:
+        """Write the current weights as a Hugging Face folder and register the policy version."""
+        version = self.step
+        path = self.out / "published" / f"v{version:06d}"
+        save_hf(self.model, self.tokenizer, path)
+        if dist.is_main():
+            assert self.client is not None
+            self.client.add_policy_version(
+                self.cfg.run.pool,
+                self.cfg.run.name,
+                version=version,
+                uri=path.resolve().as_uri(),
+                step=self.step,
+            )
+        self.policy_version = version
+        return path
+
+    def save_checkpoint(self) -> Path:
+        return self.checkpointer.save(
+            self.model, self.optimizer, self.step, {"policy_version": self.policy_version}
+        )
+
+    def _resume(self) -> None:
+        path = self.checkpointer.latest()
+        if path is None:
+            if self.step > 0:
+                log.warning(
+                    "run %s is at step %d on the service but there is no checkpoint in %s: "
+                    "continuing from the initial weights",
+                    self.cfg.run.name,
+                    self.step,
+                    self.out,
+                )
+            return
+        extra = self.checkpointer.load(self.model, self.optimizer, path)
+        ckpt_step = int(extra["step"])
+        self.policy_version = int(extra.get("policy_version", 0))
+        if ckpt_step != self.step and dist.is_main():
+            log.warning(
+                "checkpoint %s is at step %d but the service run is at step %d: the pool keeps its "
+                "state, training continues from step %d with the checkpoint's weights",
+                path.name,
+                ckpt_step,
+                self.step,
+                self.step,
+            )
+        log.info("resumed from %s (step %d)", path, ckpt_step)
+
+
+def run_training(cfg: TrainConfig, *, client: Client | None = None) -> Trainer:
+    trainer = Trainer(cfg, client=client)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
