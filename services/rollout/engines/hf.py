@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import torch
+from exgrpo_rollout.engines.base import Completion, GenerationStats, SamplingConfig
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
@@ -22,8 +23,6 @@ from transformers import (
     TemperatureLogitsWarper,
     TopPLogitsWarper,
 )
-
-from exgrpo_rollout.engines.base import Completion, GenerationStats, SamplingConfig
 
 
 class _RawEntropy(LogitsProcessor):

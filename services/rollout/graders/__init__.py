@@ -1,0 +1,11 @@
+"""Answer graders: training reward, evaluation graders, registry and a process pool with timeouts.
+
+``Grader = Callable[[str, str], Grade]`` takes the response text and the ground truth and never
+raises for bad model output.
+"""
+
+from exgrpo_rollout.graders.base import Grade, Grader
+from exgrpo_rollout.graders.pool import GradingPool, grade_one
+from exgrpo_rollout.graders.registry import BUILTIN_GRADERS, get_grader
+
+__all__ = ["BUILTIN_GRADERS", "Grade", "Grader", "GradingPool", "get_grader", "grade_one"]
