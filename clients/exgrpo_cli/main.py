@@ -4,15 +4,19 @@
     exgrpo pool create math --k 8 --batch-size 128
     exgrpo questions import train.parquet --pool math
     exgrpo --json pool stats math                    # machine-readable output
+    exgrpo train --config exgrpo --nproc 2 model.path=models/m run.pool=math
 
 Client commands talk HTTP through `exgrpo_client.Client`. `serve` and `db` need the server
-extra; they import it only when run.
+extra, `train` the train extra; they import it only when run.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +36,7 @@ R = TypeVar("R")
 
 app = typer.Typer(
     name="exgrpo",
-    help="ExGRPO experience pool: run the service, manage pools and questions.",
+    help="ExGRPO experience pool: run the service, manage pools and questions, train.",
     no_args_is_help=True,
     add_completion=False,
 )
@@ -144,6 +148,56 @@ def db_upgrade(
     render.show(
         _state(ctx).json, result, lambda: f"database {result['database_url']} is at the latest revision"
     )
+
+
+# ------------------------------------------------------------------------------------ training
+@app.command()
+@friendly_errors
+def train(
+    ctx: typer.Context,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config",
+            help="Trainer settings (YAML), or a shipped recipe: exgrpo, grpo. Unset fields keep defaults.",
+        ),
+    ] = None,
+    nproc: Annotated[
+        int, typer.Option("--nproc", min=1, help="Processes (one per GPU); above 1 runs under torchrun.")
+    ] = 1,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[KEY=VALUE]...",
+            help="Settings that replace the file's, e.g. optim.lr=2e-6 experience.enabled=false.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Train a policy against a pool (needs the train extra).
+
+    --url/--token (EXGRPO_URL/EXGRPO_TOKEN) replace run.pool_url/run.token; KEY=VALUE wins over all.
+    """
+    if importlib.util.find_spec("torch") is None:
+        raise ValueError("training needs the train extra: pip install 'exgrpo-stack[train]'")
+    from exgrpo_trainer.config import load_config
+
+    state = _state(ctx)
+    given = ([f"run.pool_url={state.url}"] if state.url else []) + (["run.token=null"] if state.token else [])
+    items = given + list(overrides or [])
+    cfg = load_config(config, items)  # fails here, before any process starts
+    if state.token:
+        os.environ["EXGRPO_TOKEN"] = state.token  # read by the trainer's client, kept off argv
+    if nproc == 1:
+        from exgrpo_trainer.cli import run as run_trainer
+
+        run_trainer(cfg)
+        return
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command += ["-m", "exgrpo_trainer", *(["--config", config] if config else []), *items]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, command)
 
 
 # --------------------------------------------------------------------------------------- pools

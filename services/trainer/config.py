@@ -1,6 +1,7 @@
 """Trainer configuration: a tree of sections, from YAML plus `key=value` overrides.
 
     exgrpo train --config run.yaml optim.lr=2e-6 experience.enabled=false
+    exgrpo train --config exgrpo model.path=... run.pool=math      # a recipe shipped in recipes/
 
 Every field has a docstring underneath it; cross-field checks name the setting to change.
 """
@@ -11,7 +12,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+"""YAML recipes shipped with the trainer: `exgrpo` (spec defaults) and `grpo` (no replay)."""
 
 
 class _Section(BaseModel):
@@ -153,9 +157,53 @@ class TrainConfig(_Section):
     def max_response_len(self) -> int:
         return self.loss.max_response_len or self.rollout.max_new_tokens
 
+    def public_dict(self) -> dict[str, Any]:
+        """The settings as plain data, with the service token masked (for logs and config.yaml)."""
+        data = self.model_dump(mode="json")
+        if data["run"].get("token"):
+            data["run"]["token"] = "***"
+        return data
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.public_dict(), sort_keys=False)
+
+
+def recipes() -> list[str]:
+    """Names of the shipped recipes (usable as `--config NAME`)."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A config file: the path itself if it exists, else a shipped recipe of that name."""
+    path = Path(name)
+    if path.exists():
+        return path
+    recipe = RECIPES_DIR / f"{name}.yaml"
+    if path.suffix == "" and path.parent == Path(".") and recipe.is_file():
+        return recipe
+    raise FileNotFoundError(
+        f"config file {str(name)!r} does not exist (shipped recipes: {', '.join(recipes()) or 'none'})"
+    )
+
+
+def format_config_error(e: ValidationError) -> str:
+    """One line naming the offending settings, e.g. `invalid config: optim.lr: Input should be ...`."""
+    parts = []
+    for err in e.errors()[:3]:
+        loc = ".".join(str(x) for x in err["loc"])
+        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    more = f" (and {e.error_count() - 3} more)" if e.error_count() > 3 else ""
+    return " ".join(("invalid config: " + "; ".join(parts) + more).split())
+
 
 def _parse_value(raw: str) -> Any:
-    return yaml.safe_load(raw) if raw != "" else ""
+    """YAML scalars and lists (`1e-6`, `true`, `[0.9, 0.99]`, `null`); unparsable text stays a string."""
+    if raw == "":
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -165,6 +213,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ValueError(f"override {item!r}: expected key=value, e.g. optim.lr=1e-6")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
+        if any(not p for p in parts):
+            raise ValueError(f"override {item!r}: expected section.key=value, e.g. optim.lr=1e-6")
         node = data
         for p in parts[:-1]:
             node = node.setdefault(p, {})
@@ -175,10 +225,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Settings from a YAML file (a path or a shipped recipe name) plus `key=value` overrides.
+
+    Raises `pydantic.ValidationError` for bad values (`format_config_error` makes it one line),
+    `ValueError` for a malformed file or override, `FileNotFoundError` for a missing file."""
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        file = resolve_config_path(path)
+        try:
+            loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            raise ValueError(f"{file}: not valid YAML ({' '.join(str(e).split())})") from None
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping at the top level")
+            raise ValueError(f"{file}: expected a mapping of sections at the top level")
         data = loaded or {}
     return TrainConfig.model_validate(apply_overrides(data, overrides or []))

@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-import yaml
 from exgrpo_client import Client, rollout
 from exgrpo_client import schemas as s
 from exgrpo_client.errors import NotFound
@@ -114,6 +113,7 @@ class Trainer:
             synced_gpus=dist.world() > 1,
         )
         self.pad_id = int(self.tokenizer.pad_token_id)
+        self._owns_client = client is None  # a client passed in stays open for its owner
         self.client = (
             client
             if client is not None
@@ -136,11 +136,9 @@ class Trainer:
         self._attach_run()
         self._resume()
         if dist.is_main():
-            (self.out / "config.yaml").write_text(
-                yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
-            )
+            (self.out / "config.yaml").write_text(self.cfg.to_yaml())
             self.logger = MetricsLogger(
-                self.out, self.cfg.logging, self.cfg.run.steps, self.cfg.model_dump(mode="json")
+                self.out, self.cfg.logging, self.cfg.run.steps, self.cfg.public_dict()
             )
             self.logger.advance_to(self.step)
         try:
@@ -148,8 +146,11 @@ class Trainer:
                 metrics = self.train_step()
                 if self.logger is not None:
                     self.logger.log(self.step, metrics)
+                last = self.step >= self.cfg.run.steps
+                if last and self.cfg.schedule.publish_every and self.policy_version != self.step:
+                    self.publish()  # the final weights, when the last step was not a publishing one
                 every = self.cfg.schedule.checkpoint_every
-                if (every and self.step % every == 0) or self.step == self.cfg.run.steps:
+                if (every and self.step % every == 0) or last:
                     self.save_checkpoint()
         finally:
             if self.logger is not None:
@@ -158,7 +159,7 @@ class Trainer:
     def close(self) -> None:
         if self.grading is not None:
             self.grading.close()
-        if self.client is not None:
+        if self.client is not None and self._owns_client:
             self.client.close()
 
     def train_step(self) -> dict[str, float]:
@@ -172,13 +173,7 @@ class Trainer:
             chosen = self._choose_replays(plan, prompts)
         with self._timed("generate"):
             data = self._rollouts(plan, prompts, chosen)
-        with self._timed("old_logprob"):
-            old_lp, old_ent = self._score(
-                [r.prompt_ids for r in data.rows], [r.response_ids for r in data.rows], with_entropy=True
-            )
-        adv = row_advantages(data.rows, use_std=self.cfg.loss.advantage_std)
-        with self._timed("update"):
-            update_metrics = self._update(data.rows, old_lp, adv, mixed)
+        old_lp, old_ent, update_metrics = self.learn(data.rows, mixed)
         metrics = self._step_metrics(data, old_ent, update_metrics, mixed)
         with self._timed("commit"):
             result = dist.broadcast(self._commit(data, old_lp, old_ent, metrics) if dist.is_main() else None)
@@ -200,19 +195,29 @@ class Trainer:
         if dist.is_main():
             assert self.client is not None
             cfg = self.cfg
+            overrides = s.RunOverrides(
+                experience=cfg.experience.enabled,
+                experience_ratio=cfg.experience.ratio,
+                start_threshold=cfg.experience.start_threshold,
+                batch_size=cfg.experience.batch_size,
+            )
             try:
                 run = self.client.get_run(cfg.run.pool, cfg.run.name)
             except NotFound:
-                overrides = s.RunOverrides(
-                    experience=cfg.experience.enabled,
-                    experience_ratio=cfg.experience.ratio,
-                    start_threshold=cfg.experience.start_threshold,
-                    batch_size=cfg.experience.batch_size,
-                )
                 run = self.client.create_run(
                     cfg.run.pool, cfg.run.name, seed=cfg.run.seed, overrides=overrides
                 )
                 log.info("created run %s in pool %s", cfg.run.name, cfg.run.pool)
+            else:
+                if run.overrides != overrides or run.seed != cfg.run.seed:
+                    log.warning(
+                        "run %s already exists with seed %d and %s; the service keeps those, "
+                        "not this config's run.seed / experience settings (%s)",
+                        cfg.run.name,
+                        run.seed,
+                        run.overrides,
+                        overrides,
+                    )
             pool = self.client.get_pool(cfg.run.pool)
             info = (run.step, run.policy_version, pool.config.k)
         self.step, self.policy_version, self.k = dist.broadcast(info)
@@ -529,6 +534,21 @@ class Trainer:
         return [all_lp[i] for i in idx], [all_ent[i] for i in idx]
 
     # ------------------------------------------------------------------------------- update
+    def learn(
+        self, rows: list[Row], mixed: bool
+    ) -> tuple[list[list[float]], list[list[float]], dict[str, float]]:
+        """Old log-probs (pi_old) and entropies of `rows`, advantages, and the policy update of
+        this step. Every rank calls it with the same rows. Returns (old log-probs, old entropies,
+        update metrics)."""
+        with self._timed("old_logprob"):
+            old_lp, old_ent = self._score(
+                [r.prompt_ids for r in rows], [r.response_ids for r in rows], with_entropy=True
+            )
+        adv = row_advantages(rows, use_std=self.cfg.loss.advantage_std)
+        with self._timed("update"):
+            update_metrics = self._update(rows, old_lp, adv, mixed)
+        return old_lp, old_ent, update_metrics
+
     def _update(
         self, rows: list[Row], old_lp: list[list[float]], adv: list[float], mixed: bool
     ) -> dict[str, float]:
@@ -538,7 +558,7 @@ class Trainer:
         parts = [order[i :: cfg.optim.mini_batches] for i in range(cfg.optim.mini_batches)]
         collected: list[dict[str, float]] = []
         stats: dict[str, float] = {"optim/skipped": 0.0, "optim/grad_norm": 0.0}
-        for part in parts:
+        for index, part in enumerate(parts):
             if not part:
                 continue
             n_tokens = float(sum(len(rows[i].response_ids) for i in part))
@@ -548,7 +568,10 @@ class Trainer:
             mbs += [[]] * (count - len(mbs))
             for mb in mbs:
                 chosen = [mine[j] for j in mb]
-                collected.append(self._micro_step(rows, old_lp, adv, chosen, mixed, max(n_tokens, 1.0)))
+                m = self._micro_step(rows, old_lp, adv, chosen, mixed, max(n_tokens, 1.0))
+                if m:
+                    m["_minibatch"] = float(index)
+                    collected.append(m)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
             norm_f = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             stats["optim/grad_norm"] = max(stats["optim/grad_norm"], norm_f)
@@ -612,23 +635,54 @@ class Trainer:
 
     @staticmethod
     def _merge_metrics(per_rank: list[list[dict[str, float]]]) -> dict[str, float]:
+        """One value per key from the metrics of every micro-batch of every rank.
+
+        The loss terms and the entropy / KL token means of a micro-batch are its share of the
+        mini-batch's value (token sums over the mini-batch's token count), so they add up within a
+        mini-batch; the step reports their mean over mini-batches. Ratio statistics are weighted by
+        fresh tokens, importance-weight statistics by replayed tokens (and left out when nothing
+        was replayed), token counts are summed."""
         parts = [m for rank in per_rank for m in rank if m]
         if not parts:
             return {}
         out: dict[str, float] = {}
-        weights = [m.get("_tokens", 0.0) for m in parts]
-        total = sum(weights) or 1.0
-        keys = {k for m in parts for k in m if k != "_tokens"}
+        keys = {k for m in parts for k in m if not k.startswith("_")}
+        minibatches = sorted({m.get("_minibatch", 0.0) for m in parts})
+        fresh = [m.get("tokens/fresh", 0.0) for m in parts]
+        replay = [m.get("tokens/replay", 0.0) for m in parts]
+        has_replay = sum(replay) > 0
+
+        def weighted(key: str, weights: list[float]) -> float:
+            total = sum(w for m, w in zip(parts, weights, strict=True) if key in m)
+            num = sum(m[key] * w for m, w in zip(parts, weights, strict=True) if key in m)
+            return num / total if total > 0 else 0.0
+
         for k in keys:
-            vals = [m[k] for m in parts if k in m]
-            if k.startswith("loss/") or k.startswith("tokens/"):
-                out[k] = float(sum(vals))
+            if k.startswith("tokens/"):
+                out[k] = float(sum(m.get(k, 0.0) for m in parts))
+            elif k.startswith("loss/") or k in ("actor/entropy", "actor/kl"):
+                per_mb = [
+                    sum(m.get(k, 0.0) for m in parts if m.get("_minibatch", 0.0) == i) for i in minibatches
+                ]
+                out[k] = float(sum(per_mb) / len(per_mb))
+            elif k.startswith("is/"):
+                if not has_replay:
+                    continue
+                vals = [m[k] for m, n in zip(parts, replay, strict=True) if n > 0 and k in m]
+                if k.endswith("_max"):
+                    out[k] = float(max(vals))
+                elif k.endswith("_min"):
+                    out[k] = float(min(vals))
+                else:
+                    out[k] = float(weighted(k, replay))
+            elif k.startswith("actor/ratio"):
+                out[k] = float(weighted(k, fresh))
             elif k.endswith("_max"):
-                out[k] = float(max(vals))
+                out[k] = float(max(m[k] for m in parts if k in m))
             elif k.endswith("_min"):
-                out[k] = float(min(vals))
+                out[k] = float(min(m[k] for m in parts if k in m))
             else:
-                out[k] = float(sum(m[k] * w for m, w in zip(parts, weights, strict=True) if k in m) / total)
+                out[k] = float(weighted(k, [m.get("_tokens", 0.0) for m in parts]))
         return out
 
     # ------------------------------------------------------------------------------ metrics

@@ -1,0 +1,76 @@
+"""Command line of the trainer, `python -m exgrpo_trainer --config FILE [key=value ...]`: train in
+one process or under torchrun (`exgrpo train` uses the same functions).
+
+    python -m exgrpo_trainer --config exgrpo model.path=models/m run.pool=math
+    torchrun --standalone --nproc_per_node=8 -m exgrpo_trainer --config run.yaml optim.lr=2e-6
+
+`--config` takes a YAML file or the name of a shipped recipe (exgrpo, grpo). Rank 0 prints the
+validated settings before training. A bad setting prints one line naming it and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from exgrpo_trainer.config import TrainConfig, format_config_error, load_config, recipes
+from pydantic import ValidationError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m exgrpo_trainer",
+        description="Train a policy with ExGRPO against an experience pool service.",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help=f"YAML settings, or a shipped recipe name ({', '.join(recipes())}).",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="Settings that replace the file's, e.g. optim.lr=2e-6 experience.enabled=false.",
+    )
+    return parser.parse_args(argv)
+
+
+def read_config(config: str | None, overrides: list[str]) -> TrainConfig:
+    """The validated settings; a readable one-line `SystemExit` for every expected mistake."""
+    try:
+        return load_config(config, overrides)
+    except ValidationError as e:
+        raise SystemExit(f"error: {format_config_error(e)}") from None
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {' '.join(str(e).split())}") from None
+
+
+def run(cfg: TrainConfig) -> None:
+    """Log set-up, the settings on stdout (rank 0), training, and leaving the process group."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if rank == 0:
+        sys.stdout.write("# exgrpo trainer settings\n" + cfg.to_yaml())
+        sys.stdout.flush()
+
+    from exgrpo_trainer import dist
+    from exgrpo_trainer.trainer import run_training
+
+    try:
+        run_training(cfg)
+    finally:
+        dist.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run(read_config(args.config, args.overrides))
+    return 0
