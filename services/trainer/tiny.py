@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-SPECIAL = ["<pad>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>"]
+SPECIAL = ["<pad>", "<|eos|>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>"]
 CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -22,11 +22,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
     for ch in CHARS:
         vocab.setdefault(ch, len(vocab))
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<|eos|>", additional_special_tokens=SPECIAL[2:]
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<|eos|>",
+        unk_token="<unk>",
+        bos_token=None,
+        additional_special_tokens=SPECIAL[3:],
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
