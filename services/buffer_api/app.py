@@ -130,10 +130,16 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.import_limit if scope["path"].endswith("/pools/import") else self.limit
+        is_import = scope["path"].endswith("/pools/import")
+        limit = self.import_limit if is_import else self.limit
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await self._reject(scope, send, limit)
+            return
+        if length is None and not is_import:
+            # A streamed (chunked) JSON body is read whole by the app anyway, so buffer it here:
+            # an error raised while the app reads it would be reported as a generic 400, not a 413.
+            await self._buffered(scope, receive, send, limit)
             return
         seen = 0
 
@@ -147,6 +153,28 @@ class BodyLimit:
             return msg
 
         await self.app(scope, limited, send)
+
+    async def _buffered(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        chunks: list[bytes] = []
+        seen = 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                break  # the client went away: pass that on
+            chunks.append(msg.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > limit:
+                await self._reject(scope, send, limit)
+                return
+            if not msg.get("more_body", False):
+                msg = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        pending = [msg]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
 
     @staticmethod
     async def _reject(scope: Scope, send: Send, limit: int) -> None:

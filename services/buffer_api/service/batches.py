@@ -25,6 +25,8 @@ from exgrpo_pool.domain import (
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
+    INT64_MAX,
+    check_int,
     messages,
     rules_for,
     run_overrides,
@@ -338,6 +340,10 @@ async def _batch_and_run(
     run = None if batch is None else await repo.get_run_by_id(session, batch.run_id, lock=lock)
     if batch is None or run is None or run.pool_id != pool.id:
         raise NotFound(f"batch {batch_id!r} does not exist in pool {pool.name!r}")
+    if lock:
+        # read again under the run's lock: a concurrent commit of this batch may have finished
+        # while we waited for it (the first read predates that commit)
+        await session.refresh(batch)
     return batch, run
 
 
@@ -358,6 +364,7 @@ def _check_against_plan(batch: Batch, groups: list[s.GroupResult]) -> None:
 
 
 async def commit_batch(ctx: Context, pool: Pool, batch_id: str, req: s.BatchCommit) -> s.CommitResult:
+    check_int(req.policy_version, "policy_version")
     async with ctx.db.write() as session:
         batch, run = await _batch_and_run(session, pool, batch_id, lock=True)
         if batch.status == "committed":
@@ -432,9 +439,13 @@ def _count(ctx: Context, pool: Pool, a: Applied) -> None:
 async def ingest(ctx: Context, pool: Pool, run_name: str, req: s.IngestRequest) -> s.CommitResult:
     """Graded groups from a producer outside the trainer: the collection rules apply whatever the
     run's phase (the delayed start only gates the trainer's own batches)."""
+    check_int(req.policy_version, "policy_version")
+    check_int(req.step, "step")
+    qids = sorted({g.question_id for g in req.groups})
+    for q in qids:
+        check_int(q, "question_id", INT64_MAX)
     async with ctx.db.write() as session:
         run = await _get_run(session, pool, run_name, lock=True)
-        qids = sorted({g.question_id for g in req.groups})
         found = await repo.get_questions(session, qids)
         missing = [q for q in qids if q not in found or found[q].pool_id != pool.id]
         if missing:

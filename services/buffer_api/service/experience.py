@@ -11,7 +11,7 @@ from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.index.base import Move
 from exgrpo_pool.service.convert import decode_payload
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import utcnow
+from exgrpo_pool.store.models import POOLED_SCOPE, utcnow
 from sqlalchemy.ext.asyncio import AsyncSession
 
 
@@ -115,6 +115,11 @@ async def apply_groups(
                 # payloads we do not store are still checked, so bad data is refused consistently
                 decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
 
+    if scope == POOLED_SCOPE:
+        # Every run of a pooled pool writes the same state rows (a per-run scope is already
+        # serialised by its run's row lock): one writer at a time, or two requests touching the
+        # same questions in different orders deadlock on Postgres.
+        await repo.lock_pool(session, pool_id)
     old = await repo.get_states(session, scope, list(finals))
     by_kind: dict[str, list[dict[str, Any]]] = {"collect": [], "retire": [], "ignore": []}
     for qid, f in finals.items():

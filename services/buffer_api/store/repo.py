@@ -47,6 +47,11 @@ async def get_pool(session: AsyncSession, name: str) -> Pool | None:
     return (await session.execute(select(Pool).where(Pool.name == name))).scalar_one_or_none()
 
 
+async def lock_pool(session: AsyncSession, pool_id: int) -> None:
+    """Hold the pool's row lock until the transaction ends (a no-op on SQLite)."""
+    await session.execute(_locked(session, select(Pool.id).where(Pool.id == pool_id)))
+
+
 async def list_pools(session: AsyncSession) -> list[Pool]:
     return list((await session.execute(select(Pool).order_by(Pool.id))).scalars())
 
@@ -111,7 +116,7 @@ async def question_ids_by_hash(
     stmt = select(Question.content_hash, Question.id).where(
         Question.pool_id == pool_id, Question.content_hash.in_(list(hashes))
     )
-    return {bytes(h): int(i) for h, i in (await session.execute(stmt)).tuples()}
+    return {bytes(h): int(i) for h, i in (await session.execute(stmt))}
 
 
 async def question_ids(session: AsyncSession, pool_id: int) -> np.ndarray:
@@ -145,7 +150,7 @@ async def run_names(session: AsyncSession, run_ids: Iterable[int]) -> dict[int, 
     ids = sorted(set(run_ids))
     if not ids:
         return {}
-    return dict((await session.execute(select(Run.id, Run.name).where(Run.id.in_(ids)))).tuples().all())
+    return dict((await session.execute(select(Run.id, Run.name).where(Run.id.in_(ids)))).all())
 
 
 async def get_epoch(session: AsyncSession, run_id: int, epoch: int) -> np.ndarray | None:
@@ -202,7 +207,7 @@ async def bucket_members(session: AsyncSession, scope: int) -> dict[int, list[in
         .order_by(RunQuestion.question_id)
     )
     out: dict[int, list[int]] = {}
-    for bucket, qid in (await session.execute(stmt)).tuples():
+    for bucket, qid in (await session.execute(stmt)):
         out.setdefault(int(bucket), []).append(int(qid))
     return out
 
@@ -221,7 +226,7 @@ async def state_counts(session: AsyncSession, scope: int) -> tuple[dict[int, int
     )
     hist: dict[int, int] = {}
     retired = seen = 0
-    for bucket, is_retired, n in (await session.execute(stmt)).tuples():
+    for bucket, is_retired, n in (await session.execute(stmt)):
         seen += n
         if is_retired:
             retired += n
@@ -254,6 +259,9 @@ async def pool_states(
 
 # ------------------------------------------------------------------------------ trajectories
 async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]]) -> int:
+    # one order for every writer (stable: a question's rollouts keep theirs), so two transactions
+    # inserting the same trajectories wait for each other instead of deadlocking
+    rows = sorted(rows, key=lambda r: r["question_id"])
     inserted = 0
     for chunk in _chunks(rows, 500):
         stmt = (
@@ -386,7 +394,7 @@ async def batch_tasks(session: AsyncSession, batch_id: str) -> list[Task]:
 
 async def task_status_counts(session: AsyncSession, batch_id: str) -> dict[str, int]:
     stmt = select(Task.status, func.count()).where(Task.batch_id == batch_id).group_by(Task.status)
-    return {s: int(n) for s, n in (await session.execute(stmt)).tuples()}
+    return {s: int(n) for s, n in (await session.execute(stmt))}
 
 
 async def cancel_batch_tasks(session: AsyncSession, batch_id: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, WritePool
+from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, RowId, WritePool
 from exgrpo_pool.service import batches, tasks
 from fastapi import APIRouter, Query
 
@@ -38,20 +38,20 @@ async def batch_results(
 
 @router.post("/tasks/{task_id}/renew", response_model=s.TaskPublic)
 async def renew_task(
-    task_id: int, body: s.TaskRenew, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+    task_id: RowId, body: s.TaskRenew, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
 ) -> object:
     return await idem.run(lambda: tasks.renew(ctx, pool, task_id, body))
 
 
 @router.post("/tasks/{task_id}/complete", response_model=s.TaskPublic)
 async def complete_task(
-    task_id: int, body: s.TaskComplete, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+    task_id: RowId, body: s.TaskComplete, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
 ) -> object:
     return await idem.run(lambda: tasks.complete(ctx, pool, task_id, body))
 
 
 @router.post("/tasks/{task_id}/fail", response_model=s.TaskPublic)
 async def fail_task(
-    task_id: int, body: s.TaskFail, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+    task_id: RowId, body: s.TaskFail, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
 ) -> object:
     return await idem.run(lambda: tasks.fail(ctx, pool, task_id, body))

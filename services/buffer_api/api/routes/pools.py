@@ -5,7 +5,16 @@ from __future__ import annotations
 from typing import Annotated
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.api.deps import Admin, ContextDep, IdempotencyDep, PrincipalDep, Reader, ReadPool, WritePool
+from exgrpo_pool.api.deps import (
+    Admin,
+    ContextDep,
+    IdempotencyDep,
+    PrincipalDep,
+    Reader,
+    ReadPool,
+    RowId,
+    WritePool,
+)
 from exgrpo_pool.errors import Forbidden
 from exgrpo_pool.service import pools as svc
 from exgrpo_pool.service import transfer
@@ -62,7 +71,7 @@ async def import_questions(
 async def list_questions(
     pool: ReadPool,
     ctx: ContextDep,
-    after: Annotated[int, Query(ge=0)] = 0,
+    after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> s.QuestionsPublic:
     return await svc.list_questions(ctx, pool, after, limit)
@@ -70,7 +79,7 @@ async def list_questions(
 
 @router.get("/{pool}/questions/{question_id}", response_model=s.QuestionDetail)
 async def question_detail(
-    question_id: int, pool: ReadPool, ctx: ContextDep, payload: bool = False
+    question_id: RowId, pool: ReadPool, ctx: ContextDep, payload: bool = False
 ) -> s.QuestionDetail:
     return await svc.question_detail(ctx, pool, question_id, payload=payload)
 

@@ -1,0 +1,1 @@
+"""Tests of the experience pool service over HTTP (in process, both storage backends)."""

@@ -1,0 +1,75 @@
+"""Running the pool service in process: backends, bearer tokens, an HTTP client over ASGI."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from asgi_lifespan import LifespanManager
+from exgrpo_pool.app import create_app
+from exgrpo_pool.config import Settings, TokenGrant
+
+ADMIN_TOKEN = "test-admin-token-0000000001"
+READ_TOKEN = "test-read-token-00000000002"
+WRITE_P1_TOKEN = "test-write-p1-token-0000003"
+WRITE_OTHER_TOKEN = "test-write-other-token-004"
+
+TOKENS = [
+    TokenGrant(token=ADMIN_TOKEN, name="admin", scopes=["admin"]),
+    TokenGrant(token=READ_TOKEN, name="reader", scopes=["read"]),
+    TokenGrant(token=WRITE_P1_TOKEN, name="writer-p1", scopes=["read", "write:p1"]),
+    TokenGrant(token=WRITE_OTHER_TOKEN, name="writer-other", scopes=["read", "write:other-pool"]),
+]
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where a test's service keeps its state: a database and, optionally, a Redis key prefix."""
+
+    name: str
+    database_url: str
+    redis_url: str | None
+    redis_prefix: str
+
+    @property
+    def uses_redis(self) -> bool:
+        return self.redis_url is not None
+
+    def settings(self, **overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "database_url": self.database_url,
+            "redis_url": self.redis_url,
+            "redis_prefix": self.redis_prefix,
+            "tokens": TOKENS,
+            "allow_anonymous": False,
+            "log_level": "WARNING",
+        }
+        values.update(overrides)
+        return Settings(**values)
+
+
+@contextlib.asynccontextmanager
+async def serve(settings: Settings, token: str = ADMIN_TOKEN) -> AsyncIterator[httpx.AsyncClient]:
+    """A started app (lifespan included) and a client that talks to it with `token`.
+
+    Requests go to the app itself, not to the lifespan manager's wrapper: that wrapper hands every
+    request the same `state` dict, so concurrent requests would share `request.state` (a server
+    gives each request its own copy)."""
+    app = create_app(settings)
+    async with (
+        LifespanManager(app, startup_timeout=30, shutdown_timeout=30),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+            base_url="http://pool.test",
+            headers=bearer(token),
+            timeout=60,
+        ) as client,
+    ):
+        yield client
