@@ -19,6 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+#: Steps and policy versions are 32-bit columns, row ids 64-bit: JSON integers are unbounded.
+Int32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
+RowId = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Weighting = Literal["normal", "linear", "sqrt", "linear_clip", "uniform"]
 Phase = Literal["on_policy", "mixed"]
 Sharing = Literal["per_run", "pooled"]
@@ -184,7 +187,7 @@ class RolloutResult(Payload):
 
 
 class GroupResult(Strict):
-    question_id: int
+    question_id: RowId
     rollouts: list[RolloutResult] = Field(min_length=1, max_length=1024)
     replay_trajectory_id: int | None = Field(None, description="Stored trajectory used as row 0.")
 
@@ -245,9 +248,9 @@ class RunsPublic(Strict):
 
 
 class PolicyVersionCreate(Strict):
-    version: int = Field(ge=0)
+    version: Int32
     uri: str = Field(min_length=1, max_length=4096)
-    step: int = Field(0, ge=0)
+    step: Int32 = 0
 
 
 class PolicyVersionPublic(Strict):
@@ -304,7 +307,7 @@ class BatchPlan(Strict):
 
 class BatchCommit(Strict):
     groups: list[GroupResult] = Field(min_length=1, max_length=65_536)
-    policy_version: int | None = Field(None, ge=0)
+    policy_version: Int32 | None = None
     metrics: dict[str, FiniteFloat] = Field(default_factory=dict)
 
 
@@ -338,8 +341,8 @@ class BatchStatusPublic(Strict):
 
 class IngestRequest(Strict):
     groups: list[GroupResult] = Field(min_length=1, max_length=65_536)
-    policy_version: int = Field(0, ge=0)
-    step: int | None = Field(None, ge=0)
+    policy_version: Int32 = 0
+    step: Int32 | None = None
 
 
 class SelectRequest(Strict):

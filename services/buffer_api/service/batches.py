@@ -25,8 +25,6 @@ from exgrpo_pool.domain import (
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
-    INT64_MAX,
-    check_int,
     messages,
     rules_for,
     run_overrides,
@@ -364,7 +362,6 @@ def _check_against_plan(batch: Batch, groups: list[s.GroupResult]) -> None:
 
 
 async def commit_batch(ctx: Context, pool: Pool, batch_id: str, req: s.BatchCommit) -> s.CommitResult:
-    check_int(req.policy_version, "policy_version")
     async with ctx.db.write() as session:
         batch, run = await _batch_and_run(session, pool, batch_id, lock=True)
         if batch.status == "committed":
@@ -439,11 +436,7 @@ def _count(ctx: Context, pool: Pool, a: Applied) -> None:
 async def ingest(ctx: Context, pool: Pool, run_name: str, req: s.IngestRequest) -> s.CommitResult:
     """Graded groups from a producer outside the trainer: the collection rules apply whatever the
     run's phase (the delayed start only gates the trainer's own batches)."""
-    check_int(req.policy_version, "policy_version")
-    check_int(req.step, "step")
     qids = sorted({g.question_id for g in req.groups})
-    for q in qids:
-        check_int(q, "question_id", INT64_MAX)
     async with ctx.db.write() as session:
         run = await _get_run(session, pool, run_name, lock=True)
         found = await repo.get_questions(session, qids)

@@ -13,15 +13,6 @@ from exgrpo_pool.domain import ExperienceRules
 from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.store.models import POOLED_SCOPE, Pool, Question, Run, Trajectory
 
-INT32_MAX = 2**31 - 1  # steps and policy versions are INTEGER columns
-INT64_MAX = 2**63 - 1  # ids are BIGINT
-
-
-def check_int(value: int | None, what: str, high: int = INT32_MAX) -> None:
-    """Refuse a number the database cannot hold (JSON integers are unbounded) with a 422, not a 500."""
-    if value is not None and not 0 <= value <= high:
-        raise BadRequest(f"{what} must be an integer in [0, {high}], got {value}")
-
 
 def pool_config(pool: Pool) -> s.PoolConfig:
     return s.PoolConfig.model_validate(pool.config, strict=False)
@@ -163,8 +154,9 @@ def decode_payload(r: s.Payload, where: str) -> tuple[np.ndarray, np.ndarray] | 
     if (ids < 0).any() or (ids >= 2**31).any():
         raise BadRequest(f"{where}: token ids must be in [0, 2^31)")
     if not np.isfinite(lps).all() or (lps < np.finfo(np.float32).min).any():
-        raise BadRequest(f"{where}: log-probs must be finite float32 numbers (found NaN, infinity or less "
-                         "than -3.4e38)")
+        raise BadRequest(
+            f"{where}: log-probs must be finite float32 numbers (found NaN, infinity or less than -3.4e38)"
+        )
     if (lps > 1e-3).any():
         raise BadRequest(f"{where}: log-probs must be <= 0 (they are log-probabilities)")
     return ids.astype("<i4"), lps.astype("<f4")

@@ -9,7 +9,6 @@ from exgrpo_pool.errors import Conflict, NotFound
 from exgrpo_pool.service.batches import _get_run, rebuild_index
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
-    check_int,
     content_hash,
     pool_config,
     pool_public,
@@ -203,8 +202,6 @@ async def update_run(ctx: Context, pool: Pool, name: str, req: s.RunUpdate) -> s
 async def add_policy_version(
     ctx: Context, pool: Pool, name: str, req: s.PolicyVersionCreate
 ) -> s.PolicyVersionPublic:
-    check_int(req.version, "version")
-    check_int(req.step, "step")
     async with ctx.db.write() as session:
         run = await _get_run(session, pool, name, lock=True)
         existing = await repo.get_policy_version(session, run.id, req.version)

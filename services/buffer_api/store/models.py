@@ -33,7 +33,6 @@ Json = JSON().with_variant(JSONB(), "postgresql")
 Blob = LargeBinary().with_variant(BYTEA(), "postgresql")
 
 
-
 class UTCDateTime(TypeDecorator[datetime]):
     """Timezone-aware UTC timestamps on both backends (SQLite hands back naive datetimes)."""
 

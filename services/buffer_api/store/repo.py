@@ -207,7 +207,7 @@ async def bucket_members(session: AsyncSession, scope: int) -> dict[int, list[in
         .order_by(RunQuestion.question_id)
     )
     out: dict[int, list[int]] = {}
-    for bucket, qid in (await session.execute(stmt)):
+    for bucket, qid in await session.execute(stmt):
         out.setdefault(int(bucket), []).append(int(qid))
     return out
 
@@ -226,7 +226,7 @@ async def state_counts(session: AsyncSession, scope: int) -> tuple[dict[int, int
     )
     hist: dict[int, int] = {}
     retired = seen = 0
-    for bucket, is_retired, n in (await session.execute(stmt)):
+    for bucket, is_retired, n in await session.execute(stmt):
         seen += n
         if is_retired:
             retired += n
