@@ -278,6 +278,16 @@ def list_policy_versions(pool: str, run: str) -> Call[s.PolicyVersionsPublic]:
     return get(f"{_runs(pool)}/{seg(run)}/policy-versions", _model(s.PolicyVersionsPublic))
 
 
+def post_run_metrics(pool: str, run: str, step: int, metrics: Mapping[str, float]) -> Call[s.RunMetricsStep]:
+    body = s.RunMetricsCreate(step=step, metrics=dict(metrics))
+    return write("POST", f"{_runs(pool)}/{seg(run)}/metrics", body, _model(s.RunMetricsStep))
+
+
+def run_metrics(pool: str, run: str, after_step: int, limit: int) -> Call[s.RunMetricsPublic]:
+    params = {"after_step": after_step, "limit": limit}
+    return get(f"{_runs(pool)}/{seg(run)}/metrics", _model(s.RunMetricsPublic), params=params)
+
+
 def plan_batch(pool: str, run: str, fields: Mapping[str, Any]) -> Call[s.BatchPlan]:
     body = s.BatchCreate.model_validate(_given(**fields))
     return write("POST", f"{_runs(pool)}/{seg(run)}/batches", body, _model(s.BatchPlan))

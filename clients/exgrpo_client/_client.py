@@ -214,6 +214,17 @@ class Client(BaseClient):
     def list_policy_versions(self, pool: str, run: str) -> s.PolicyVersionsPublic:
         return self._request(b.list_policy_versions(pool, run))
 
+    def post_run_metrics(
+        self, pool: str, run: str, step: int, metrics: Mapping[str, float]
+    ) -> s.RunMetricsStep:
+        """Merge numbers into a step of the run's curves (held-out accuracy, pool statistics)."""
+        return self._request(b.post_run_metrics(pool, run, step, metrics))
+
+    def run_metrics(
+        self, pool: str, run: str, *, after_step: int = -1, limit: int = 1000
+    ) -> s.RunMetricsPublic:
+        return self._request(b.run_metrics(pool, run, after_step, limit))
+
     # ------------------------------------------------------------------------------- batches
     def plan_batch(self, pool: str, run: str, **fields: Any) -> s.BatchPlan:
         """Plan the run's next batch; `fields` are those of `BatchCreate` (batch_size,
@@ -520,6 +531,17 @@ class AsyncClient(BaseClient):
 
     async def list_policy_versions(self, pool: str, run: str) -> s.PolicyVersionsPublic:
         return await self._request(b.list_policy_versions(pool, run))
+
+    async def post_run_metrics(
+        self, pool: str, run: str, step: int, metrics: Mapping[str, float]
+    ) -> s.RunMetricsStep:
+        """Merge numbers into a step of the run's curves (held-out accuracy, pool statistics)."""
+        return await self._request(b.post_run_metrics(pool, run, step, metrics))
+
+    async def run_metrics(
+        self, pool: str, run: str, *, after_step: int = -1, limit: int = 1000
+    ) -> s.RunMetricsPublic:
+        return await self._request(b.run_metrics(pool, run, after_step, limit))
 
     # ------------------------------------------------------------------------------- batches
     async def plan_batch(self, pool: str, run: str, **fields: Any) -> s.BatchPlan:

@@ -457,7 +457,37 @@ class QuestionDetail(QuestionPublic):
     runs: list[QuestionRunState]
 
 
+# ---------------------------------------------------------------------------------- run metrics
+class RunMetricsCreate(Strict):
+    """Per-step numbers of a run (training curves, held-out accuracy, pool statistics). Values for
+    a step merge with what the step already has."""
+
+    step: Int32
+    metrics: dict[str, FiniteFloat] = Field(min_length=1, max_length=1000)
+
+
+class RunMetricsStep(Strict):
+    step: int
+    metrics: dict[str, float]
+    updated_at: datetime
+
+
+class RunMetricsPublic(Strict):
+    run: str
+    data: list[RunMetricsStep]
+    count: int
+
+
 # ------------------------------------------------------------------------------- export/import
+class PoolImported(Strict):
+    pool: str
+    questions: int
+    runs: int
+    states: int
+    trajectories: int
+    duplicates: int
+
+
 class ExportHeader(Strict):
     kind: Literal["exgrpo-pool-export"] = "exgrpo-pool-export"
     format_version: int = 1

@@ -12,6 +12,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from exgrpo_pool.api.routes import batches, pools, runs
 from exgrpo_pool.config import Settings
 from exgrpo_pool.errors import PayloadTooLarge, ServiceError
@@ -21,13 +29,6 @@ from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.pools import load_pool, rebuild_pool_index
 from exgrpo_pool.store import db as dbmod
 from exgrpo_pool.store import repo
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sqlalchemy import text
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("exgrpo.pool")
 PROBLEM = "application/problem+json"
@@ -238,6 +239,7 @@ async def build_context(settings: Settings, metrics: Metrics | None = None) -> C
     index: Any
     if settings.redis_url:
         import redis.asyncio as aioredis
+
         from exgrpo_pool.index.redis import RedisIndex
 
         redis_client = aioredis.from_url(settings.redis_url)

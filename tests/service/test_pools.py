@@ -215,3 +215,24 @@ async def test_request_id_is_echoed(client: httpx.AsyncClient) -> None:
     r = await client.get("/v1/pools/nope", headers={"X-Request-ID": "abc123"})
     assert r.headers["X-Request-ID"] == "abc123"
     assert r.json()["request_id"] == "abc123"
+
+
+async def test_run_metrics_merge_commit_and_posted_numbers(client: httpx.AsyncClient) -> None:
+    await setup_pool(client)
+    plan = await plan_batch(client)
+    body = make_groups(plan, correct_first(lambda qid: 1))
+    body["metrics"] = {"loss/total": 0.25}
+    ok(await commit_batch(client, plan, body))
+    posted = ok(
+        await client.post("/v1/pools/p1/runs/r1/metrics", json={"step": 1, "metrics": {"eval/acc": 0.4}})
+    )
+    assert posted["metrics"]["eval/acc"] == 0.4 and posted["metrics"]["loss/total"] == 0.25
+    assert posted["metrics"]["batch/solved"] == 1 / K
+    ok(await client.post("/v1/pools/p1/runs/r1/metrics", json={"step": 3, "metrics": {"eval/acc": 0.5}}))
+    curves = ok(await client.get("/v1/pools/p1/runs/r1/metrics"))
+    assert [d["step"] for d in curves["data"]] == [1, 3]
+    later = ok(await client.get("/v1/pools/p1/runs/r1/metrics", params={"after_step": 1}))
+    assert [d["step"] for d in later["data"]] == [3]
+    bad = await client.post("/v1/pools/p1/runs/r1/metrics", json={"step": 2, "metrics": {"x": "NaN"}})
+    assert bad.status_code == 422
+    assert [d["step"] for d in ok(await client.get("/v1/pools/p1/runs/r1/metrics"))["data"]] == [1, 3]

@@ -9,14 +9,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from fastapi import Depends, Path, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
 from exgrpo_pool.errors import BadRequest, Forbidden, Unauthorized
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.pools import load_pool
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import IdempotencyKey, Pool, utcnow
-from fastapi import Depends, Path, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 
 #: A row id in a path: database ids are BIGINT, so larger numbers are a 422, not a database error.
 RowId = Annotated[int, Path(ge=0, le=2**63 - 1)]

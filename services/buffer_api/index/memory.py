@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from exgrpo_pool.index.base import Move
 from sortedcontainers import SortedList
+
+from exgrpo_pool.index.base import Move
 
 
 class _Scope:

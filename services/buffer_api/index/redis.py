@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
+
 from exgrpo_pool.index.base import Move
 
 _MOVE = """

@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from exgrpo_client import schemas as s
 from exgrpo_pool.domain import (
     ExperienceRules,
@@ -34,7 +36,6 @@ from exgrpo_pool.service.convert import (
 from exgrpo_pool.service.experience import Applied, apply_groups
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import Batch, Pool, Run, Trajectory, utcnow
-from sqlalchemy.ext.asyncio import AsyncSession
 
 log = logging.getLogger("exgrpo.pool")
 
@@ -401,6 +402,18 @@ async def commit_batch(ctx: Context, pool: Pool, batch_id: str, req: s.BatchComm
         batch.status = "committed"
         batch.result = result.model_dump()
         batch.metrics = {**req.metrics, "batch/solved": solved}
+        await repo.merge_run_metrics(
+            session,
+            run.id,
+            batch.step,
+            {
+                **req.metrics,
+                "batch/solved": solved,
+                "batch/replayed_questions": float(len(batch.plan["replay"])),
+                "pool/stored_trajectories": float(applied.stored),
+                "pool/retired": float(applied.retired),
+            },
+        )
         batch.committed_at = utcnow()
     await _apply_moves(ctx, scope, applied)
     ctx.metrics.batches_committed.labels(pool.name).inc()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from exgrpo_pool.config import Settings
 from exgrpo_pool.index.base import BucketIndex
 from exgrpo_pool.metrics import Metrics

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import numpy as np
+
 from exgrpo_client import schemas as s
 from exgrpo_pool.domain import ExperienceRules
 from exgrpo_pool.errors import BadRequest

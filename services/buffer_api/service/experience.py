@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from exgrpo_client import schemas as s
 from exgrpo_pool.domain import ExperienceRules, GroupAction, decide_group, trajectory_key
 from exgrpo_pool.errors import BadRequest
@@ -12,7 +14,6 @@ from exgrpo_pool.index.base import Move
 from exgrpo_pool.service.convert import decode_payload
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import POOLED_SCOPE, utcnow
-from sqlalchemy.ext.asyncio import AsyncSession
 
 
 @dataclass

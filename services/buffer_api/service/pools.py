@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from sqlalchemy.exc import IntegrityError
+
 from exgrpo_client import schemas as s
 from exgrpo_pool.errors import Conflict, NotFound
 from exgrpo_pool.service.batches import _get_run, rebuild_index
@@ -19,7 +21,6 @@ from exgrpo_pool.service.convert import (
 )
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import POOLED_SCOPE, PolicyVersion, Pool, Run, utcnow
-from sqlalchemy.exc import IntegrityError
 
 
 async def load_pool(ctx: Context, name: str) -> Pool:
@@ -227,6 +228,25 @@ async def list_policy_versions(ctx: Context, pool: Pool, name: str) -> s.PolicyV
         s.PolicyVersionPublic(version=p.version, uri=p.uri, step=p.step, created_at=p.created_at) for p in pvs
     ]
     return s.PolicyVersionsPublic(data=data, count=len(data))
+
+
+# ------------------------------------------------------------------------------- run metrics
+async def post_run_metrics(ctx: Context, pool: Pool, name: str, req: s.RunMetricsCreate) -> s.RunMetricsStep:
+    async with ctx.db.write() as session:
+        run = await _get_run(session, pool, name, lock=True)
+        await repo.merge_run_metrics(session, run.id, req.step, req.metrics)
+        rows = await repo.run_metrics(session, run.id, req.step - 1, 1)
+    return s.RunMetricsStep(step=rows[0].step, metrics=rows[0].metrics, updated_at=rows[0].updated_at)
+
+
+async def list_run_metrics(
+    ctx: Context, pool: Pool, name: str, after_step: int, limit: int
+) -> s.RunMetricsPublic:
+    async with ctx.db.read() as session:
+        run = await _get_run(session, pool, name)
+        rows = await repo.run_metrics(session, run.id, after_step, limit)
+    data = [s.RunMetricsStep(step=r.step, metrics=r.metrics, updated_at=r.updated_at) for r in rows]
+    return s.RunMetricsPublic(run=run.name, data=data, count=len(data))
 
 
 # ------------------------------------------------------------------------------------- stats

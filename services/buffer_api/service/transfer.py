@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
+
 from exgrpo_client import schemas as s
 from exgrpo_pool.domain import trajectory_key
 from exgrpo_pool.errors import BadRequest, Conflict
@@ -20,7 +22,6 @@ from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import b64, content_hash, pool_config
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import POOLED_SCOPE, PolicyVersion, Pool, Run, utcnow
-from pydantic import ValidationError
 
 _PAGE = 2000
 
@@ -284,7 +285,7 @@ async def split_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield rest
 
 
-async def import_pool(ctx: Context, chunks: AsyncIterator[bytes], name: str | None) -> dict[str, Any]:
+async def import_pool(ctx: Context, chunks: AsyncIterator[bytes], name: str | None) -> s.PoolImported:
     lines = split_lines(chunks)
     async with ctx.db.write() as session:
         imp = _Importer(session, name)
@@ -304,4 +305,4 @@ async def import_pool(ctx: Context, chunks: AsyncIterator[bytes], name: str | No
         if imp.pool is None:
             raise BadRequest("empty import: expected an export header line")
         pool_name = imp.pool.name
-    return {"pool": pool_name, **imp.counts}
+    return s.PoolImported(pool=pool_name, **imp.counts)

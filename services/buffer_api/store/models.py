@@ -201,6 +201,16 @@ class PolicyVersion(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+class RunMetric(Base):
+    """One step's numbers of a run: what the trainer commits and posts (curves for the dashboard)."""
+
+    __tablename__ = "run_metric"
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    metrics: Mapped[dict[str, Any]] = mapped_column(Json)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 class IdempotencyKey(Base):
     __tablename__ = "idempotency_key"
     key: Mapped[str] = mapped_column(String(255), primary_key=True)

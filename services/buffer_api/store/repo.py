@@ -7,6 +7,10 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
+from sqlalchemy import Select, and_, delete, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from exgrpo_pool.store.models import (
     Batch,
     IdempotencyKey,
@@ -15,14 +19,12 @@ from exgrpo_pool.store.models import (
     Question,
     Run,
     RunEpoch,
+    RunMetric,
     RunQuestion,
     Task,
     Trajectory,
     utcnow,
 )
-from sqlalchemy import Select, and_, delete, func, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncSession
 
 _IN_CHUNK = 5000  # bound on bound parameters per statement (SQLite allows 32766)
 
@@ -408,6 +410,27 @@ async def cancel_batch_tasks(session: AsyncSession, batch_id: str) -> None:
 async def queue_depth(session: AsyncSession) -> int:
     n = await session.scalar(select(func.count()).select_from(Task).where(Task.status == "pending"))
     return int(n or 0)
+
+
+# ------------------------------------------------------------------------------ run metrics
+async def merge_run_metrics(session: AsyncSession, run_id: int, step: int, metrics: dict[str, float]) -> None:
+    """Callers hold the run's row lock, which serialises writers of one run."""
+    row = await session.get(RunMetric, (run_id, step))
+    if row is None:
+        session.add(RunMetric(run_id=run_id, step=step, metrics=dict(metrics), updated_at=utcnow()))
+    else:
+        row.metrics = {**row.metrics, **metrics}
+        row.updated_at = utcnow()
+
+
+async def run_metrics(session: AsyncSession, run_id: int, after_step: int, limit: int) -> list[RunMetric]:
+    stmt = (
+        select(RunMetric)
+        .where(RunMetric.run_id == run_id, RunMetric.step > after_step)
+        .order_by(RunMetric.step)
+        .limit(limit)
+    )
+    return list((await session.execute(stmt)).scalars())
 
 
 # --------------------------------------------------------------------------- policy versions

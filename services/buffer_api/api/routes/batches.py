@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from fastapi import APIRouter, Query
+
 from exgrpo_client import schemas as s
 from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, RowId, WritePool
 from exgrpo_pool.service import batches, tasks
-from fastapi import APIRouter, Query
 
 router = APIRouter(prefix="/v1/pools/{pool}", tags=["batches"])
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+
 from exgrpo_client import schemas as s
 from exgrpo_pool.api.deps import (
     Admin,
@@ -18,8 +21,6 @@ from exgrpo_pool.api.deps import (
 from exgrpo_pool.errors import Forbidden
 from exgrpo_pool.service import pools as svc
 from exgrpo_pool.service import transfer
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
 
 router = APIRouter(prefix="/v1/pools", tags=["pools"])
 
@@ -38,10 +39,10 @@ async def create_pool(body: s.PoolCreate, ctx: ContextDep, who: PrincipalDep, id
     return await idem.run(lambda: svc.create_pool(ctx, body), status_code=201)
 
 
-@router.post("/import", status_code=201)
+@router.post("/import", response_model=s.PoolImported, status_code=201)
 async def import_pool(
     request: Request, ctx: ContextDep, _: Admin, name: Annotated[str | None, Query(max_length=128)] = None
-) -> dict[str, object]:
+) -> s.PoolImported:
     return await transfer.import_pool(ctx, request.stream(), name)
 
 

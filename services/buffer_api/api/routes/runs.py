@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
 from exgrpo_client import schemas as s
 from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, WritePool
 from exgrpo_pool.service import batches, tasks
 from exgrpo_pool.service import pools as svc
-from fastapi import APIRouter
 
 router = APIRouter(prefix="/v1/pools/{pool}/runs", tags=["runs"])
 
@@ -36,6 +39,24 @@ async def update_run(
 @router.get("/{run}/stats", response_model=s.RunStats)
 async def run_stats(run: str, pool: ReadPool, ctx: ContextDep) -> s.RunStats:
     return await svc.run_stats(ctx, pool, run)
+
+
+@router.post("/{run}/metrics", response_model=s.RunMetricsStep)
+async def post_run_metrics(
+    run: str, body: s.RunMetricsCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
+    return await idem.run(lambda: svc.post_run_metrics(ctx, pool, run, body))
+
+
+@router.get("/{run}/metrics", response_model=s.RunMetricsPublic)
+async def list_run_metrics(
+    run: str,
+    pool: ReadPool,
+    ctx: ContextDep,
+    after_step: Annotated[int, Query(ge=-1, le=2**31 - 1)] = -1,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> s.RunMetricsPublic:
+    return await svc.list_run_metrics(ctx, pool, run, after_step, limit)
 
 
 @router.post("/{run}/policy-versions", response_model=s.PolicyVersionPublic, status_code=201)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from alembic import context
+from sqlalchemy.engine import Connection
+
 from exgrpo_pool.store.db import make_engine
 from exgrpo_pool.store.models import Base
-from sqlalchemy.engine import Connection
 
 config = context.config
 target_metadata = Base.metadata
