@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
 from exgrpo_client import Client, rollout
 from exgrpo_client import schemas as s
 from exgrpo_client.errors import NotFound
@@ -182,11 +183,17 @@ class Trainer:
             every = self.cfg.schedule.publish_every
             if every and self.step % every == 0:
                 self.publish()
-        if dist.is_main():
-            metrics.update(self._experience_stats(plan))
         metrics.update({f"timing/{k}": v for k, v in self.timings.items()})
         metrics["timing/step"] = time.perf_counter() - start
         metrics["phase/switched"] = float(result.switched)
+        if dist.is_main():
+            pool_stats = self._experience_stats(plan)
+            metrics.update(pool_stats)
+            if self.cfg.logging.send_to_service:
+                assert self.client is not None
+                timing = {k: v for k, v in metrics.items() if k.startswith(("timing/", "phase/"))}
+                late = {**pool_stats, **timing}
+                self.client.post_run_metrics(self.cfg.run.pool, self.cfg.run.name, self.step, late)
         return metrics
 
     # ------------------------------------------------------------------------------ service
