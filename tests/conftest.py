@@ -8,8 +8,6 @@ session. Tests that use it create pools under unique names, so they do not see e
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,29 +25,12 @@ class LiveServer:
 @contextlib.contextmanager
 def run_live_server(database_url: str, **settings: object) -> Iterator[LiveServer]:
     """The app under uvicorn in a thread, on an ephemeral 127.0.0.1 port, until the block ends."""
-    import uvicorn
-    from exgrpo_pool.app import create_app
     from exgrpo_pool.config import Settings
+    from exgrpo_pool.embedded import serve_in_thread
 
-    values: dict[str, object] = {"allow_anonymous": True, "log_level": "WARNING", **settings}
-    app = create_app(Settings(database_url=database_url, **values))  # type: ignore[arg-type]
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, log_config=None, log_level="warning", access_log=False, ws="none"
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="exgrpo-live-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test pool service did not start (see the captured log)")
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield LiveServer(url=f"http://127.0.0.1:{port}", database_url=database_url)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    values: dict[str, object] = {"allow_anonymous": True, "log_level": "WARNING", "port": 0, **settings}
+    with serve_in_thread(Settings(database_url=database_url, **values)) as srv:  # type: ignore[arg-type]
+        yield LiveServer(url=srv.url, database_url=database_url)
 
 
 @pytest.fixture(scope="session")

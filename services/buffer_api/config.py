@@ -69,8 +69,8 @@ class Settings(BaseSettings):
     """Prefix of every Redis key, so several deployments can share one Redis."""
     host: str = "127.0.0.1"
     """Address to bind. The default only accepts connections from this machine."""
-    port: int = Field(8700, ge=1, le=65535)
-    """TCP port."""
+    port: int = Field(8700, ge=0, le=65535)
+    """TCP port (0 picks a free one, for embedded use)."""
     tokens: list[TokenGrant] = Field(default_factory=list)
     """Bearer tokens with scopes (JSON list in EXGRPO_TOKENS)."""
     allow_anonymous: bool = False
