@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ from exgrpo_trainer.model import load_model, load_tokenizer, pad_rows, response_
 from exgrpo_trainer.telemetry import MetricsLogger
 
 log = logging.getLogger("exgrpo.trainer")
+StepHook = Callable[["Trainer", dict[str, float]], None]
 T = TypeVar("T")
 
 
@@ -133,7 +134,9 @@ class Trainer:
         self.timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------- the loop
-    def train(self) -> None:
+    def train(self, on_step: StepHook | None = None) -> None:
+        """Run until `run.steps`. `on_step(trainer, metrics)` runs on every rank after each step
+        (before the checkpoint), e.g. for a held-out evaluation."""
         self._attach_run()
         self._resume()
         if dist.is_main():
@@ -147,6 +150,8 @@ class Trainer:
                 metrics = self.train_step()
                 if self.logger is not None:
                     self.logger.log(self.step, metrics)
+                if on_step is not None:
+                    on_step(self, metrics)
                 last = self.step >= self.cfg.run.steps
                 if last and self.cfg.schedule.publish_every and self.policy_version != self.step:
                     self.publish()  # the final weights, when the last step was not a publishing one
@@ -771,10 +776,12 @@ class Trainer:
         log.info("resumed from %s (step %d)", path, ckpt_step)
 
 
-def run_training(cfg: TrainConfig, *, client: Client | None = None) -> Trainer:
+def run_training(
+    cfg: TrainConfig, *, client: Client | None = None, on_step: StepHook | None = None
+) -> Trainer:
     trainer = Trainer(cfg, client=client)
     try:
-        trainer.train()
+        trainer.train(on_step)
     finally:
         trainer.close()
     return trainer
