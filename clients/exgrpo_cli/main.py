@@ -24,12 +24,13 @@ from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
 import typer
 import yaml
-from exgrpo_client import Client
-from exgrpo_client.errors import ExgrpoError
-from exgrpo_client.io import count_rows, read_questions
 from pydantic import ValidationError
 
 from exgrpo_cli import _render as render
+from exgrpo_cli import rollout_cmds
+from exgrpo_client import Client
+from exgrpo_client.errors import ExgrpoError
+from exgrpo_client.io import count_rows, read_questions
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -46,6 +47,7 @@ db_app = typer.Typer(help="Database maintenance (needs the server extra).", no_a
 app.add_typer(pool_app, name="pool")
 app.add_typer(questions_app, name="questions")
 app.add_typer(db_app, name="db")
+rollout_cmds.register(app)
 
 
 @dataclass
@@ -198,6 +200,52 @@ def train(
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, command)
+
+
+@app.command("run")
+@friendly_errors
+def run_job(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="About a minute end to end (for tests and a first look).")
+    ] = False,
+    model: Annotated[
+        Path | None, typer.Option(help="Hugging Face model folder (default: the warm-started tiny model).")
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(help="Questions (verl/ExGRPO parquet or JSONL); default: synthetic arithmetic."),
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Run folder (default exgrpo-data/runs/<time>).")] = None,
+    serve: Annotated[bool, typer.Option("--serve", help="Keep the pool service up at the end.")] = False,
+    grpo: Annotated[bool, typer.Option("--grpo", help="Plain on-policy GRPO instead of ExGRPO.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of data, run and sampling.")] = 0,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[KEY=VALUE]...", help="Trainer settings, e.g. run.steps=20.", show_default=False
+        ),
+    ] = None,
+) -> None:
+    """The main job: embedded pool service, warm-started model, ExGRPO training with held-out
+    evaluation before and after, a report with plots. Needs no services and no arguments."""
+    if importlib.util.find_spec("torch") is None:
+        raise ValueError(
+            "the main job needs the train extra: pip install 'exgrpo-stack[server,train,rollout]'"
+        )
+    from exgrpo_trainer.main_job import options_from, run_main_job
+
+    run_main_job(
+        options_from(
+            quick=quick,
+            model=model,
+            data=data,
+            out=out,
+            serve=serve,
+            experience=not grpo,
+            seed=seed,
+            overrides=list(overrides or []),
+        )
+    )
 
 
 # --------------------------------------------------------------------------------------- pools

@@ -1,0 +1,312 @@
+"""The one-box main job (`exgrpo run`): embedded pool service, a model and data, ExGRPO training with
+held-out evaluation before, during and after, and a report. Needs no services and no arguments.
+
+    run folder
+    ├── config.yaml  metrics.jsonl  eval.jsonl  report.md  plots/*.png
+    ├── pool.db               the experience pool (SQLite); `exgrpo serve --database-url ...` reopens it
+    ├── data/train.parquet data/heldout.parquet
+    ├── checkpoints/  published/  eval/step-*.jsonl (per-sample records)
+    └── service.log
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+log = logging.getLogger("exgrpo.run")
+RECIPES = Path(__file__).parent / "recipes"
+
+
+@dataclass
+class MainJobOptions:
+    quick: bool = False
+    """About a minute end to end (smaller model budget, fewer steps, smaller held-out set)."""
+    model: Path | None = None
+    """A Hugging Face model folder; default: the warm-started tiny model (built and cached)."""
+    data: Path | None = None
+    """Questions in the verl/ExGRPO parquet layout or JSONL; default: synthetic arithmetic."""
+    out: Path | None = None
+    """Run folder; default exgrpo-data/runs/<time>."""
+    serve: bool = False
+    """Keep the pool service up at the end (Ctrl-C stops it)."""
+    experience: bool = True
+    """False trains plain on-policy GRPO."""
+    seed: int = 0
+    heldout: int | None = None
+    """Held-out questions (default from the recipe)."""
+    overrides: list[str] = field(default_factory=list)
+    """Trainer config overrides, key=value."""
+    cache: Path = Path("exgrpo-data/cache")
+
+
+@dataclass
+class JobPlan:
+    """Sizes of the job, from the recipe file's `job:` section."""
+
+    train_questions: int = 2000
+    heldout_questions: int = 128
+    eval_every: int = 10
+    eval_max_new_tokens: int = 96
+    eval_temperature: float = 0.6
+    pool_k: int = 8
+    pool_batch_size: int = 16
+
+
+def _recipe(opts: MainJobOptions) -> tuple[Path, JobPlan]:
+    import yaml
+
+    path = RECIPES / ("cpu_demo_quick.yaml" if opts.quick else "cpu_demo.yaml")
+    job = yaml.safe_load(path.read_text()).get("job", {}) if path.exists() else {}
+    return path, JobPlan(**job)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_main_job(opts: MainJobOptions) -> Path:
+    import yaml
+
+    from exgrpo_client import Client
+    from exgrpo_pool.config import Settings
+    from exgrpo_pool.embedded import serve_in_thread
+    from exgrpo_trainer.config import TrainConfig, apply_overrides
+    from exgrpo_trainer.report import write_report
+    from exgrpo_trainer.trainer import run_training
+
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    out = (opts.out or Path("exgrpo-data/runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    recipe_path, job = _recipe(opts)
+    if opts.heldout:
+        job.heldout_questions = opts.heldout
+    _log_to(out / "service.log")
+
+    console.rule("[bold]ExGRPO on one box")
+    console.print(f"run folder: {out}")
+    model_dir = _prepare_model(opts, console)
+    train_rows, heldout_rows, source = _prepare_data(opts, job, out, console)
+
+    db_url = f"sqlite+aiosqlite:///{out / 'pool.db'}"
+    settings = Settings(
+        database_url=db_url, allow_anonymous=True, host="127.0.0.1", port=_free_port(), log_level="WARNING"
+    )
+    with serve_in_thread(settings) as srv, Client(srv.url) as client:
+        console.print(f"pool service: {srv.url} (embedded, SQLite {out / 'pool.db'})")
+        run_name = "exgrpo" if opts.experience else "grpo"
+        if not any(p.name == "main" for p in client.list_pools().data):
+            client.create_pool(
+                "main",
+                config={"k": job.pool_k, "batch_size": job.pool_batch_size},
+                description=f"one-box run on {source}",
+            )
+            with console.status("importing training questions"):
+                client.import_questions("main", train_rows)
+        data = yaml.safe_load(recipe_path.read_text()) if recipe_path.exists() else {}
+        data.pop("job", None)
+        data = apply_overrides(
+            data,
+            [
+                f"run.pool_url={srv.url}",
+                "run.pool=main",
+                f"run.name={run_name}",
+                f"run.seed={opts.seed}",
+                f"run.output_dir={out}",
+                f"model.path={model_dir}",
+                f"experience.enabled={opts.experience}",
+                *opts.overrides,
+            ],
+        )
+        cfg = TrainConfig.model_validate(data)
+        if not any(r.name == run_name for r in client.list_runs("main").data):
+            client.create_run("main", run_name, seed=opts.seed, overrides={"experience": opts.experience})
+        evaluator = _Evaluator(heldout_rows, job, out, client, cfg, console)
+        evaluator.baseline(model_dir)
+
+        def on_step(trainer: Any, _metrics: dict[str, float]) -> None:
+            if trainer.step % job.eval_every == 0 or trainer.step >= cfg.run.steps:
+                evaluator.during(trainer)
+
+        run_training(cfg, on_step=on_step)
+        elapsed = time.perf_counter() - started
+        evals = evaluator.history
+        facts = {
+            "model": str(model_dir),
+            "data": source,
+            "run": run_name,
+            "steps": cfg.run.steps,
+            "questions per step": job.pool_batch_size,
+            "rollouts per question": job.pool_k,
+            "held-out questions": len(heldout_rows),
+            "wall time": f"{elapsed / 60:.1f} min",
+        }
+        report = write_report(out, title=f"ExGRPO one-box run ({run_name})", facts=facts)
+        summary = {
+            "run_folder": str(out),
+            "report": str(report),
+            "pool_db": str(out / "pool.db"),
+            "heldout_accuracy": [{"step": e["step"], "accuracy": e["accuracy"]} for e in evals],
+            "wall_seconds": round(elapsed, 1),
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        console.rule("[bold]done")
+        if evals:
+            console.print(
+                f"held-out accuracy: {evals[0]['accuracy']:.3f} (before) -> "
+                f"{evals[-1]['accuracy']:.3f} (after {cfg.run.steps} steps)"
+            )
+        console.print(f"outputs:   {out}\nreport:    {report}\nmetrics:   {out / 'metrics.jsonl'}")
+        console.print(
+            f"browse the pool: exgrpo serve --anonymous --database-url '{db_url}'  "
+            "then open http://127.0.0.1:8700/dashboard"
+        )
+        if opts.serve:
+            console.print(f"the pool service stays up at {srv.url}/dashboard (Ctrl-C to stop)")
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                pass
+    return out
+
+
+def _log_to(path: Path) -> None:
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.INFO)
+    for name in ("exgrpo", "httpx"):
+        lg = logging.getLogger(name)
+        lg.addHandler(handler)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _prepare_model(opts: MainJobOptions, console: Console) -> Path:
+    if opts.model is not None:
+        if not (opts.model / "config.json").exists():
+            raise ValueError(f"--model {opts.model}: not a Hugging Face model folder (no config.json)")
+        return opts.model.resolve()
+    from exgrpo_trainer.warmstart import prepare_model
+
+    target = (opts.cache / ("warmstart-quick" if opts.quick else "warmstart")).resolve()
+    with console.status("preparing the warm-started model (first run only)"):
+        path = prepare_model(target, seed=0, quick=opts.quick)
+    info = json.loads((path / "warmstart.json").read_text())
+    console.print(f"model: {path} ({info.get('parameters', 0) / 1e6:.2f}M parameters, warm-started by SFT)")
+    return path
+
+
+def _prepare_data(
+    opts: MainJobOptions, job: JobPlan, out: Path, console: Console
+) -> tuple[list[Any], list[Any], str]:
+    """Training questions (QuestionCreate) and held-out rows (EvalRow), disjoint."""
+    from exgrpo_client.io import read_questions
+    from exgrpo_rollout.evaluate import load_rows
+
+    data_dir = out / "data"
+    data_dir.mkdir(exist_ok=True)
+    if opts.data is None:
+        from exgrpo_trainer.synthetic import make_splits, write_parquet
+
+        train, heldout = make_splits(job.train_questions, job.heldout_questions, seed=opts.seed)
+        train_path = write_parquet(
+            data_dir / "train.parquet", [p.to_row(i, "train") for i, p in enumerate(train)]
+        )
+        held_path = write_parquet(
+            data_dir / "heldout.parquet", [p.to_row(i, "heldout") for i, p in enumerate(heldout)]
+        )
+        source = "synthetic arithmetic"
+        questions = [q for batch in read_questions(train_path) for q in batch]
+        rows = load_rows(held_path)
+    else:
+        if not opts.data.exists():
+            raise ValueError(f"--data {opts.data}: no such file")
+        questions_all = [q for batch in read_questions(opts.data) for q in batch]
+        rows_all = load_rows(opts.data)
+        if len(rows_all) != len(questions_all):
+            raise ValueError(f"--data {opts.data}: cannot align rows for a held-out split")
+        n_held = min(job.heldout_questions, len(rows_all) // 4)
+        rows, questions = rows_all[:n_held], questions_all[n_held : n_held + job.train_questions]
+        source = str(opts.data)
+    console.print(f"data: {source}: {len(questions)} training questions, {len(rows)} held-out rows")
+    return questions, rows, source
+
+
+class _Evaluator:
+    def __init__(
+        self, rows: list[Any], job: JobPlan, out: Path, client: Any, cfg: Any, console: Console
+    ) -> None:
+        self.rows = rows
+        self.job = job
+        self.out = out
+        self.client = client
+        self.cfg = cfg
+        self.console = console
+        self.history: list[dict[str, Any]] = []
+        (out / "eval").mkdir(exist_ok=True)
+        (out / "eval.jsonl").write_text("")
+
+    def _run(self, engine: Any, tokenizer: Any, step: int) -> None:
+        from exgrpo_rollout.engines.base import SamplingConfig
+        from exgrpo_rollout.evaluate import aggregate, evaluate, write_jsonl
+
+        t = time.perf_counter()
+        sampling = SamplingConfig(
+            temperature=self.job.eval_temperature,
+            top_p=1.0,
+            max_new_tokens=self.job.eval_max_new_tokens,
+            seed=1234 + step,
+        )
+        records = evaluate(engine, tokenizer, self.rows, sampling=sampling, drop_system=True)
+        write_jsonl(records, self.out / "eval" / f"step-{step:06d}.jsonl")
+        summary = aggregate(records)
+        d = summary.to_dict()
+        acc = float(d.get("average", 0.0))
+        per = {b["data_source"]: float(b["accuracy"]) for b in d.get("benchmarks", [])}
+        entry = {
+            "step": step,
+            "accuracy": acc,
+            "per_source": per,
+            "seconds": round(time.perf_counter() - t, 1),
+        }
+        self.history.append(entry)
+        with (self.out / "eval.jsonl").open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        metrics = {"eval/accuracy": acc, **{f"eval/{k}": v for k, v in per.items()}}
+        self.client.post_run_metrics(self.cfg.run.pool, self.cfg.run.name, step, metrics)
+        self.console.print(
+            f"[bold]held-out accuracy at step {step}: {acc:.3f}[/] "
+            f"({len(self.rows)} rows, {entry['seconds']}s)"
+        )
+
+    def baseline(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from exgrpo_rollout.engines.hf import TransformersEngine
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self._run(TransformersEngine(model, tok), tok, 0)
+        del model
+
+    def during(self, trainer: Any) -> None:
+        from exgrpo_trainer.model import unsharded
+
+        with unsharded(trainer.model):
+            self._run(trainer.engine, trainer.tokenizer, trainer.step)
+
+
+def options_from(**kw: Any) -> MainJobOptions:
+    names = {f.name for f in dataclasses.fields(MainJobOptions)}
+    return MainJobOptions(**{k: v for k, v in kw.items() if k in names and v is not None})
