@@ -20,7 +20,7 @@ from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from exgrpo_pool.api.routes import batches, pools, runs
+from exgrpo_pool.api.routes import batches, dashboard, pools, runs
 from exgrpo_pool.config import Settings
 from exgrpo_pool.errors import PayloadTooLarge, ServiceError
 from exgrpo_pool.index.memory import MemoryIndex
@@ -337,4 +337,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(pools.router)
     app.include_router(runs.router)
     app.include_router(batches.router)
+    app.include_router(dashboard.router)
     return app
