@@ -133,6 +133,9 @@ class LoggingSection(_Section):
     wandb_project: str = "exgrpo"
     progress: bool = True
     """A live progress bar on the terminal."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus metrics (step time split, solved fraction) on this port; unset reads
+    $EXGRPO_TRAINER_METRICS_PORT, and neither means off."""
     send_to_service: bool = True
     """Send each step's metrics with the commit, so the API and dashboard show curves."""
 

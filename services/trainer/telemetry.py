@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-from exgrpo_trainer.config import LoggingSection
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -20,6 +20,8 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+
+from exgrpo_trainer.config import LoggingSection
 
 log = logging.getLogger("exgrpo.trainer")
 
@@ -33,6 +35,44 @@ SUMMARY_KEYS = (
     ("response/length_mean", "len", "{:.0f}"),
     ("timing/step", "s", "{:.1f}"),
 )
+
+
+class PrometheusExporter:
+    """`exgrpo_trainer_step_seconds{part}` and `exgrpo_trainer_solved_fraction` on an HTTP port."""
+
+    def __init__(self, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        self.step_seconds = Gauge(
+            "exgrpo_trainer_step_seconds",
+            "Seconds of the last step, by part.",
+            ["part"],
+            registry=self.registry,
+        )
+        self.solved = Gauge(
+            "exgrpo_trainer_solved_fraction", "Solved fraction of the last batch.", registry=self.registry
+        )
+        self.step = Gauge("exgrpo_trainer_step", "Last completed step.", registry=self.registry)
+        self.server, self.thread = start_http_server(port, registry=self.registry)
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            if k.startswith("timing/"):
+                self.step_seconds.labels(k.split("/", 1)[1]).set(v)
+        if "batch/solved" in metrics:
+            self.solved.set(metrics["batch/solved"])
+        self.step.set(step)
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def metrics_port(configured: int | None) -> int | None:
+    if configured is not None:
+        return configured
+    raw = os.environ.get("EXGRPO_TRAINER_METRICS_PORT")
+    return int(raw) if raw else None
 
 
 class MetricsLogger:
@@ -61,6 +101,8 @@ class MetricsLogger:
                 self.wandb = wandb.init(project=cfg.wandb_project, config=run_config, dir=str(out_dir))
             except ImportError:
                 log.warning("wandb is not installed: W&B logging is off")
+        port = metrics_port(cfg.metrics_port)
+        self.prometheus = PrometheusExporter(port) if port is not None else None
         self.progress: Progress | None = None
         self.task: Any = None
         if cfg.progress:
@@ -93,6 +135,8 @@ class MetricsLogger:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
+        if self.prometheus is not None:
+            self.prometheus.update(step, clean)
         line = (
             f"step {step:>4} "
             + " ".join(f"{short}={fmt.format(clean[k])}" for k, short, fmt in SUMMARY_KEYS if k in clean)
@@ -113,3 +157,5 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.prometheus is not None:
+            self.prometheus.close()
