@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+
 from exgrpo_rollout.graders import GradingPool, grade_one
 
 DATA = Path("/work/shared/data/exgrpo/test.id.parquet")

@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from exgrpo_client import schemas as s
 from pydantic import BaseModel, ValidationError
 from rich.console import Console, Group, RenderableType
 from rich.progress import (
@@ -25,6 +24,8 @@ from rich.progress import (
 )
 from rich.table import Table
 from rich.text import Text
+
+from exgrpo_client import schemas as s
 
 
 def stdout() -> Console:

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+
 from exgrpo_client import AsyncClient, NotFound
 from exgrpo_client import schemas as s
 from exgrpo_client.errors import ExgrpoError

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from exgrpo_trainer import dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from exgrpo_trainer import dist
 
 
 def _rng_state() -> dict[str, Any]:

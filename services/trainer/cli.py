@@ -15,8 +15,9 @@ import logging
 import os
 import sys
 
-from exgrpo_trainer.config import TrainConfig, format_config_error, load_config, recipes
 from pydantic import ValidationError
+
+from exgrpo_trainer.config import TrainConfig, format_config_error, load_config, recipes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from exgrpo_trainer import dist
-from exgrpo_trainer.algo import token_entropy, token_logprobs
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from exgrpo_trainer import dist
+from exgrpo_trainer.algo import token_entropy, token_logprobs
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

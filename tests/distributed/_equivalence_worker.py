@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
+
 from exgrpo_trainer import dist
 from exgrpo_trainer.algo import Row
 from exgrpo_trainer.config import TrainConfig, load_config
 from exgrpo_trainer.model import full_state_dict
 from exgrpo_trainer.trainer import Trainer
-from transformers import PreTrainedTokenizerBase
 
 
 def row_config(model_dir: Path, out_dir: Path, *extra: str) -> TrainConfig:

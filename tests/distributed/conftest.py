@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
+
     from exgrpo_trainer.tiny import build_tiny_model
 
     torch.set_num_threads(1)

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
+
 from exgrpo_cli.main import app
 from exgrpo_client import Client
-from typer.testing import CliRunner
 
 from . import _helpers
 from ._helpers import PARITY, make_pool, read_metrics

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from exgrpo_trainer.trainer import run_training
 from safetensors.torch import load_file
+
+from exgrpo_trainer.trainer import run_training
 
 from ._helpers import RecordingClient, make_pool, read_metrics, run_config
 

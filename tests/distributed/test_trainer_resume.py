@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+
 from exgrpo_client import Client
 from exgrpo_trainer.trainer import run_training
-from safetensors.torch import load_file
 
 from ._helpers import make_pool, read_metrics, run_config
 

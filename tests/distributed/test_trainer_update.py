@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from exgrpo_trainer.model import full_state_dict
 from exgrpo_trainer.trainer import Trainer
 

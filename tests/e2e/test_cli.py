@@ -17,10 +17,11 @@ from typing import Any
 import httpx
 import pytest
 from click.testing import Result
+from typer.testing import CliRunner
+
 from exgrpo_cli.main import app
 from exgrpo_client import GroupResult, rollout
 from exgrpo_client.io import read_questions
-from typer.testing import CliRunner
 
 VALID = Path("/work/shared/data/exgrpo/valid.parquet")
 needs_valid = pytest.mark.skipif(not VALID.is_file(), reason=f"{VALID} is not on this machine")
@@ -325,6 +326,7 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
 
 async def _pools_after_seeding(settings: Any, demo_data: Path | None, token: str | None = None) -> list[Any]:
     from asgi_lifespan import LifespanManager
+
     from exgrpo_cli import _serve
     from exgrpo_client import AsyncClient
     from exgrpo_pool.app import create_app

@@ -23,6 +23,7 @@ import asyncpg
 import httpx
 import pytest
 import redis
+
 from exgrpo_pool.store import db as dbmod
 from exgrpo_pool.store.models import Base
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
 from exgrpo_client.schemas import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
 
 K = 4

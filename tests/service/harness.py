@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 from asgi_lifespan import LifespanManager
+
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import Settings, TokenGrant
 

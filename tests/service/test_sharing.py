@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from exgrpo_client.schemas import unpack_ids
 
 from .factories import (

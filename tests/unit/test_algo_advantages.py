@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from exgrpo_trainer.algo import batch_advantages, group_advantages
 
 

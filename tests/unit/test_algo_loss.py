@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from exgrpo_trainer.algo import ExGRPOLoss, LossConfig, token_entropy, token_logprobs
 
 REQUIRED_METRICS = {

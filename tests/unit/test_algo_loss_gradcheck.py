@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+
 from exgrpo_trainer.algo import LossConfig, token_entropy, token_logprobs
 
 VOCAB, PROMPT_LEN, RESPONSE_LEN, ROWS = 64, 3, 5, 4

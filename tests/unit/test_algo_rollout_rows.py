@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from exgrpo_trainer.algo import (
     Completion,
     PlannedQuestion,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from exgrpo_trainer.algo import (
     choose_trajectories,
     choose_trajectory,

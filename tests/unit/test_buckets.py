@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from exgrpo_pool.domain import ExperienceRules, bucket_probs, bucket_weight
 from hypothesis import given
 from hypothesis import strategies as st
+
+from exgrpo_pool.domain import ExperienceRules, bucket_probs, bucket_weight
 
 TOL = 1e-6
 ALL_WEIGHTINGS = ["normal", "linear", "sqrt", "linear_clip", "uniform"]

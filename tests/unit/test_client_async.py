@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 from asgi_lifespan import LifespanManager
+
 from exgrpo_client import (
     AsyncClient,
     BadRequest,

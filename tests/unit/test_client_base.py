@@ -10,10 +10,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from pydantic import ValidationError
+
 from exgrpo_client import _base as b
 from exgrpo_client import decode_trajectory, errors, rollout
 from exgrpo_client import schemas as s
-from pydantic import ValidationError
 
 
 # ----------------------------------------------------------------------------------- retry policy

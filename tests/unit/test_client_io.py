@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from exgrpo_client.io import (
     QuestionFileError,
     count_rows,

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from asgi_lifespan import LifespanManager
+
 from exgrpo_client import AsyncClient, BadRequest, Client, NotFound, RateLimited, ServerError, TransportError
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import Settings

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from exgrpo_client import Client, GroupResult, NotFound, TransportError, rollout
 from exgrpo_client.io import read_questions
 

@@ -6,6 +6,9 @@ import hashlib
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from exgrpo_pool.domain import (
     ExperienceRules,
     GroupAction,
@@ -15,8 +18,6 @@ from exgrpo_pool.domain import (
     is_correct,
     trajectory_key,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 RULES = ExperienceRules()
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from exgrpo_pool.domain import (
     Composition,
     ExperienceRules,
@@ -11,8 +14,6 @@ from exgrpo_pool.domain import (
     replay_target,
     solved_fraction,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 RULES = ExperienceRules()
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from exgrpo_pool.domain import ExperienceRules, epoch_order, refresh_active, take_fresh
 from hypothesis import given
 from hypothesis import strategies as st
+
+from exgrpo_pool.domain import ExperienceRules, epoch_order, refresh_active, take_fresh
 
 RULES = ExperienceRules()  # batch 128, margin 20 -> refresh needs more than 148 remaining ids
 

@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
 from exgrpo_rollout.graders import BUILTIN_GRADERS, Grade, get_grader, grade_one
 from exgrpo_rollout.graders.arithmetic import arithmetic, parse_integer
 from exgrpo_rollout.graders.base import cap_inputs, coerce_grade, external_deadline, math_verify_timeout

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from exgrpo_rollout.graders import Grade, GradingPool
 
 USER = "exgrpo_rollout.graders.examples:misbehaving"

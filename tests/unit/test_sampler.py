@@ -7,6 +7,9 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from exgrpo_pool.domain import (
     Draw,
     ExperienceRules,
@@ -17,8 +20,6 @@ from exgrpo_pool.domain import (
     sample_bucket_counts,
     sample_replay,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 ALL_WEIGHTINGS = ["normal", "linear", "sqrt", "linear_clip", "uniform"]
 

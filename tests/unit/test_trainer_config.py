@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
 from exgrpo_cli.main import app
 from exgrpo_trainer.config import (
     RECIPES_DIR,
@@ -19,8 +22,6 @@ from exgrpo_trainer.config import (
     load_config,
     recipes,
 )
-from pydantic import ValidationError
-from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 

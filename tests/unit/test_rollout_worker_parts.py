@@ -1,0 +1,422 @@
+"""Rollout worker pieces without a service: the loop against a fake client and engine (lost leases,
+engine errors, stop requests, SIGTERM during generation, lease renewal), policy uris, JSON logs,
+Prometheus metrics, and the vLLM engine and weight-reload extension against stand-ins of vLLM."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import types
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from exgrpo_client.errors import Conflict
+from exgrpo_client.schemas import (
+    ChatMessage,
+    PolicyVersionPublic,
+    PolicyVersionsPublic,
+    TaskPublic,
+    TasksPublic,
+)
+from exgrpo_rollout.engines.base import Completion, GenerationStats, SamplingConfig
+from exgrpo_rollout.logs import JsonFormatter, configure_json_logging, fields
+from exgrpo_rollout.worker import RolloutWorker, WorkerConfig, WorkerMetrics, path_from_uri
+from exgrpo_trainer.tiny import build_tokenizer
+
+TOK = build_tokenizer()
+ANSWER = "</think> so \\boxed{2}"
+
+
+def _task(task_id: int, num_samples: int = 2, policy_version: int = 0) -> TaskPublic:
+    return TaskPublic(
+        id=task_id,
+        batch_id="b",
+        run="r",
+        question_id=100 + task_id,
+        prompt=[ChatMessage(role="user", content="What is 1 + 1?")],
+        ground_truth="2",
+        data_source="",
+        num_samples=num_samples,
+        replayed=False,
+        policy_version=policy_version,
+        status="leased",
+        attempts=1,
+        lease_token=f"tok{task_id}",
+        lease_expires_at=datetime.now(UTC),
+    )
+
+
+class FakeClient:
+    """Shared by the worker's clients (main loop and lease thread); records every call."""
+
+    def __init__(self, tasks: list[TaskPublic], versions: list[PolicyVersionPublic] | None = None) -> None:
+        self.queue = list(tasks)
+        self.versions = versions or []
+        self.calls: list[tuple[str, Any]] = []
+        self.lost: set[int] = set()  # tasks whose lease the service no longer honours
+        self.lock = threading.Lock()
+
+    def _log(self, name: str, arg: Any) -> None:
+        with self.lock:
+            self.calls.append((name, arg))
+
+    def names(self, name: str) -> list[Any]:
+        with self.lock:
+            return [a for n, a in self.calls if n == name]
+
+    def claim_tasks(
+        self, pool: str, run: str, worker: str, max_tasks: int, lease_seconds: float
+    ) -> TasksPublic:
+        taken, self.queue = self.queue[:max_tasks], self.queue[max_tasks:]
+        self._log("claim", [t.id for t in taken])
+        return TasksPublic(data=taken, count=len(taken))
+
+    def renew_task(self, pool: str, task_id: int, token: str, lease_seconds: float) -> None:
+        self._log("renew", task_id)
+        if task_id in self.lost:
+            raise Conflict(409, "Conflict", "lease lost")
+
+    def complete_task(self, pool: str, task_id: int, token: str, rollouts: list[Any]) -> None:
+        self._log("complete", (task_id, rollouts))
+        if task_id in self.lost:
+            raise Conflict(409, "Conflict", "lease lost")
+
+    def fail_task(self, pool: str, task_id: int, token: str, error: str, retry: bool = True) -> None:
+        self._log("fail", (task_id, error, retry))
+
+    def list_policy_versions(self, pool: str, run: str) -> PolicyVersionsPublic:
+        self._log("versions", None)
+        return PolicyVersionsPublic(data=self.versions, count=len(self.versions))
+
+    def close(self) -> None:
+        pass
+
+
+class FakeEngine:
+    name = "fake"
+
+    def __init__(self, delay_s: float = 0.0, error: Exception | None = None) -> None:
+        self.delay_s, self.error = delay_s, error
+        self.loaded: list[str] = []
+        self.calls: list[tuple[int, int]] = []
+        self._stats = GenerationStats()
+
+    @property
+    def last_stats(self) -> GenerationStats:
+        return self._stats
+
+    def load_weights(self, path: str) -> None:
+        self.loaded.append(path)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        self.calls.append((len(prompts), sampling.n))
+        end = time.monotonic() + self.delay_s
+        while time.monotonic() < end:  # a busy engine call (interruptible between bytecodes)
+            time.sleep(0.01)
+        if self.error is not None:
+            raise self.error
+        ids = TOK(ANSWER, add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
+        return [
+            [
+                Completion(token_ids=ids, logprobs=[-0.5] * len(ids), entropies=[0.25] * len(ids))
+                for _ in range(sampling.n)
+            ]
+            for _ in prompts
+        ]
+
+
+def _worker(client: FakeClient, engine: FakeEngine, **overrides: Any) -> RolloutWorker:
+    settings: dict[str, Any] = {
+        "pool": "p",
+        "run": "r",
+        "worker_id": "w",
+        "grader": "math_think",
+        "idle_exit_s": 0.0,
+        "backoff_initial_s": 0.01,
+        "backoff_max_s": 0.01,
+        "heartbeat_s": 0.05,
+        "policy_poll_s": 0.0,
+        **overrides,
+    }
+    return RolloutWorker(WorkerConfig(**settings), engine, TOK, client_factory=lambda: client)  # type: ignore[arg-type,return-value]
+
+
+# ------------------------------------------------------------------------------------- the loop
+def test_completes_tasks_with_graded_rollouts() -> None:
+    client = FakeClient([_task(1, 2), _task(2, 3), _task(3, 2)])
+    worker = _worker(client, FakeEngine(), tasks_per_claim=3)
+    assert worker.run() == 0
+    done = dict(client.names("complete"))
+    assert sorted(done) == [1, 2, 3] and worker.stats.completed_ids == [1, 2, 3]
+    assert [len(done[i]) for i in (1, 2, 3)] == [2, 3, 2]
+    r = done[2][0]
+    assert r.reward == 1.0 and r.finish_reason == "stop" and r.entropy == pytest.approx(0.25)
+    assert r.token_ids_b64 and r.logprobs_b64
+    assert sorted(worker.engine.calls) == [(1, 3), (2, 2)]  # type: ignore[attr-defined]  # one call per sample count
+    assert worker.stats.grading_calls == 1 and worker.stats.samples == 7
+
+
+def test_lost_lease_drops_the_result() -> None:
+    client = FakeClient([_task(1), _task(2)])
+    client.lost.add(1)
+    worker = _worker(client, FakeEngine())
+    worker.run()
+    assert worker.stats.tasks_lost == 1 and worker.stats.completed_ids == [2]
+    assert not client.names("fail")  # nothing to give back: another worker owns task 1 now
+
+
+def test_renewals_keep_leases_and_notice_a_lost_one() -> None:
+    client = FakeClient([_task(1)])
+    client.lost.add(1)
+    worker = _worker(client, FakeEngine(), lease_seconds=0.15, test_delay_s=0.4)
+    worker.run()
+    assert len(client.names("renew")) >= 1
+    assert worker.stats.tasks_lost == 1 and not client.names("complete")  # dropped before completing
+
+
+def test_engine_errors_fail_tasks_back_then_give_up() -> None:
+    client = FakeClient([_task(i) for i in range(1, 6)])
+    worker = _worker(client, FakeEngine(error=RuntimeError("cuda oom")), max_consecutive_errors=3)
+    with pytest.raises(RuntimeError, match="3 engine failures in a row"):
+        worker.run()
+    fails = client.names("fail")
+    assert [f[0] for f in fails] == [1, 2, 3] and all(f[2] is True and "cuda oom" in f[1] for f in fails)
+    assert worker.stats.tasks_failed == 3
+
+
+def test_request_stop_releases_the_task_in_flight() -> None:
+    client = FakeClient([_task(1), _task(2)])
+    worker = _worker(client, FakeEngine(), test_delay_s=30.0, idle_exit_s=None)
+    threading.Timer(0.3, worker.request_stop).start()
+    start = time.monotonic()
+    assert worker.run() == 0 and time.monotonic() - start < 10
+    assert client.names("fail") == [(1, "worker stopped", True)]
+    assert worker.stats.tasks_released == 1 and not client.names("complete")
+    assert [t.id for t in client.queue] == [2]  # stopped claiming
+
+
+def test_sigterm_interrupts_generation_and_releases() -> None:
+    client = FakeClient([_task(1)])
+    worker = _worker(client, FakeEngine(delay_s=30.0), idle_exit_s=None)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    worker.install_signal_handlers()
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    try:
+        start = time.monotonic()
+        assert worker.run() == 0
+        assert time.monotonic() - start < 10  # the 30 s engine call was cut short
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert client.names("fail") == [(1, "worker stopped", True)] and worker.stopping
+
+
+def test_follows_newer_policy_versions() -> None:
+    versions = [
+        PolicyVersionPublic(version=v, uri=uri, step=v, created_at=datetime.now(UTC))
+        for v, uri in ((1, "file:///models/v1"), (3, "file:///models/v%203"), (2, "file:///models/v2"))
+    ]
+    client = FakeClient([_task(1, policy_version=3)], versions)
+    engine = FakeEngine()
+    worker = _worker(client, engine, policy_poll_s=60.0)
+    worker.run()
+    assert engine.loaded == ["/models/v 3"] and worker.stats.loaded_version == 3
+    assert worker.stats.policy_reloads == 1
+
+
+# -------------------------------------------------------------------------------- small parts
+def test_policy_uris() -> None:
+    assert path_from_uri("file:///srv/out/published/v000010") == "/srv/out/published/v000010"
+    assert path_from_uri("file://localhost/a%20b") == "/a b"
+    assert path_from_uri("/plain/path") == "/plain/path"
+    with pytest.raises(ValueError, match="not supported"):
+        path_from_uri("s3://bucket/model")
+    with pytest.raises(ValueError, match="host"):
+        path_from_uri("file://otherhost/x")
+
+
+def test_config_refusals() -> None:
+    with pytest.raises(ValueError, match="lease_seconds"):
+        WorkerConfig(pool="p", run="r", lease_seconds=0)
+    with pytest.raises(ValueError, match="temperature"):
+        WorkerConfig(pool="p", run="r", temperature=0)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        WorkerConfig(pool="p", run="r", max_new_tokens=4, min_new_tokens=8)
+
+
+def test_json_log_lines() -> None:
+    stream = io.StringIO()
+    configure_json_logging("INFO", stream)
+    try:
+        logging.getLogger("exgrpo_rollout.test").info("task_completed", extra=fields(task=3, event="x"))
+        logging.getLogger("other").warning("plain %s", "message")
+    finally:
+        logging.getLogger().handlers.clear()
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert first["event"] == "task_completed" and first["task"] == 3 and first["field_event"] == "x"
+    assert (
+        first["level"] == "info"
+        and first["logger"] == "exgrpo_rollout.test"
+        and first["ts"].endswith("+00:00")
+    )
+    assert second["event"] == "plain message" and second["level"] == "warning"
+    assert isinstance(JsonFormatter().format(logging.makeLogRecord({"msg": "m"})), str)
+
+
+def test_prometheus_metrics_are_served() -> None:
+    metrics = WorkerMetrics()
+    metrics.tokens_per_second.set(1234.5)
+    metrics.grading_seconds.observe(0.2)
+    metrics.tasks_completed.inc(2)
+    metrics.serve(0, addr="127.0.0.1")
+    try:
+        port = metrics._server.server_address[1]
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    finally:
+        metrics.close()
+    assert "exgrpo_worker_tokens_per_second 1234.5" in text
+    assert 'exgrpo_worker_grading_seconds_bucket{le="0.25"} 1.0' in text
+    assert "exgrpo_worker_tasks_completed_total 2.0" in text
+    assert "exgrpo_worker_policy_version -1.0" in text
+
+
+# ------------------------------------------------------------------------------- vLLM, faked
+class _FakeLLM:
+    instances: list[_FakeLLM] = []
+    refuse_logprobs_mode = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        if "logprobs_mode" in kwargs and self.refuse_logprobs_mode:
+            raise TypeError("__init__() got an unexpected keyword argument 'logprobs_mode'")
+        self.kwargs = kwargs
+        self.rpc: list[tuple[str, tuple[Any, ...]]] = []
+        self.resets = 0
+        self.requests: list[Any] = []
+        hf_config = types.SimpleNamespace(eos_token_id=TOK.eos_token_id)
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=hf_config))
+        _FakeLLM.instances.append(self)
+
+    def get_tokenizer(self) -> Any:
+        return TOK
+
+    def generate(self, requests: list[dict[str, Any]], params: Any, use_tqdm: bool = True) -> list[Any]:
+        self.requests.append((requests, params))
+        eos = TOK.eos_token_id
+        outs = []
+        for _ in requests:
+            samples = []
+            for j in range(params.n):
+                ids = [10, 11, eos, 12] if j == 0 else [13, 14, 15]  # vLLM normally stops at the EOS
+                steps = [{t: types.SimpleNamespace(logprob=-0.1 * (k + 1))} for k, t in enumerate(ids)]
+                samples.append(types.SimpleNamespace(
+                    token_ids=ids, logprobs=steps, finish_reason="stop" if j == 0 else "length",
+                ))  # fmt: skip
+            outs.append(types.SimpleNamespace(outputs=samples))
+        return outs
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[int]:
+        self.rpc.append((method, args))
+        return [7]
+
+    def reset_prefix_cache(self) -> None:
+        self.resets += 1
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> type[_FakeLLM]:
+    module = types.ModuleType("vllm")
+    module.LLM = _FakeLLM  # type: ignore[attr-defined]
+    module.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    _FakeLLM.instances.clear()
+    _FakeLLM.refuse_logprobs_mode = False
+    return _FakeLLM
+
+
+def test_vllm_engine_converts_outputs(fake_vllm: type[_FakeLLM]) -> None:
+    from exgrpo_rollout.engines.vllm import EXTENSION, VLLMEngine
+
+    engine = VLLMEngine("/m", seed=5, tensor_parallel_size=1)
+    llm = fake_vllm.instances[-1]
+    assert llm.kwargs["worker_extension_cls"] == EXTENSION == "exgrpo_rollout.engines.vllm_ext.WeightReloader"
+    assert llm.kwargs["seed"] == 5 and llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert not engine.logprobs_are_raw and engine.eos_ids == {TOK.eos_token_id}
+    out = engine.generate(
+        [[1, 2], [3]], SamplingConfig(n=2, temperature=0.7, max_new_tokens=4, min_new_tokens=1)
+    )
+    requests, params = llm.requests[-1]
+    assert requests == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
+    assert (params.n, params.temperature, params.max_tokens, params.min_tokens, params.logprobs) == (
+        2,
+        0.7,
+        4,
+        1,
+        0,
+    )
+    assert params.detokenize is False
+    first, second = out[0]
+    assert first.token_ids == [10, 11, TOK.eos_token_id] and first.logprobs == pytest.approx(
+        [-0.1, -0.2, -0.3]
+    )
+    assert first.finish_reason == "stop" and first.entropies is None
+    assert first.text == TOK.decode([10, 11, TOK.eos_token_id], skip_special_tokens=False)
+    assert second.token_ids == [13, 14, 15] and second.finish_reason == "length"
+    assert engine.last_stats.generated_tokens == 12 and engine.last_stats.completions == 4
+
+    engine.load_weights("/published/v2")
+    assert llm.rpc == [("exgrpo_reload_weights", ("/published/v2",))] and llm.resets == 1
+
+
+def test_vllm_engine_without_logprobs_mode(fake_vllm: type[_FakeLLM]) -> None:
+    from exgrpo_rollout.engines.vllm import VLLMEngine, completion_from_output
+
+    fake_vllm.refuse_logprobs_mode = True
+    engine = VLLMEngine("/m")
+    assert engine.logprobs_are_raw and "logprobs_mode" not in fake_vllm.instances[-1].kwargs
+    with pytest.raises(RuntimeError, match="logprobs=0"):
+        completion_from_output(
+            types.SimpleNamespace(token_ids=[1], logprobs=None, finish_reason="stop"), set()
+        )
+
+
+def test_weight_reloader_reads_every_shard(tmp_path: Path) -> None:
+    from exgrpo_rollout.engines.vllm_ext import WeightReloader, safetensors_files
+
+    save_file(
+        {"a.weight": torch.ones(2, 2), "b.bias": torch.zeros(3)},
+        str(tmp_path / "model-00001-of-00002.safetensors"),
+    )
+    save_file({"c.weight": torch.full((1,), 4.0)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    seen: dict[str, torch.Tensor] = {}
+
+    class Model:
+        def load_weights(self, weights: Any) -> set[str]:
+            seen.update(weights)
+            return set(seen)
+
+    reloader = WeightReloader()
+    reloader.model_runner = types.SimpleNamespace(model=Model())
+    assert reloader.exgrpo_reload_weights(str(tmp_path)) == 3
+    assert sorted(seen) == ["a.weight", "b.bias", "c.weight"] and float(seen["c.weight"]) == 4.0
+    one = tmp_path / "model-00002-of-00002.safetensors"
+    assert safetensors_files(one) == [one]
+    with pytest.raises(ValueError, match="safetensors"):
+        safetensors_files(tmp_path / "config.json")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        safetensors_files(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="no such"):
+        safetensors_files(tmp_path / "missing")
