@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import torch
-from exgrpo_rollout.engines.base import Completion, GenerationStats, SamplingConfig
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
@@ -23,6 +22,8 @@ from transformers import (
     TemperatureLogitsWarper,
     TopPLogitsWarper,
 )
+
+from exgrpo_rollout.engines.base import Completion, GenerationStats, SamplingConfig
 
 
 class _RawEntropy(LogitsProcessor):

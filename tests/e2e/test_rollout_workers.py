@@ -1,0 +1,297 @@
+"""Rollout workers against a real pool service, with the transformers engine and a tiny model:
+two workers share a batch, a killed worker's task is redone after its lease expires, SIGTERM fails
+the in-flight task back, and a published policy version is loaded without a restart."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from exgrpo_client import Client
+from exgrpo_client.schemas import BatchPlan
+from exgrpo_rollout.engines.factory import load_engine
+from exgrpo_rollout.graders import GradingPool
+from exgrpo_rollout.worker import TEST_DELAY_ENV, RolloutWorker, WorkerConfig
+from exgrpo_trainer.tiny import build_tiny_model
+
+pytestmark = pytest.mark.timeout(300)
+
+K, B = 4, 4
+RUN = "r1"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("rollout") / "tiny")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # two workers generate in parallel threads here: one intra-op thread each avoids oversubscription
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def grading() -> Iterator[GradingPool]:
+    with GradingPool(1) as pool:
+        yield pool
+
+
+@pytest.fixture
+def client(live_server: Any) -> Iterator[Client]:
+    with Client(live_server.url) as c:
+        yield c
+
+
+def _questions(n: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "prompt": [
+                {"role": "system", "content": "Think, then put the answer in \\boxed{}."},
+                {"role": "user", "content": f"What is {i} + {i}?"},
+            ],
+            "ground_truth": str(2 * i),
+            "data_source": "arith",
+        }
+        for i in range(n)
+    ]
+
+
+def _pool_with_run(client: Client, pool: str) -> None:
+    client.create_pool(pool, {"k": K, "batch_size": B})
+    client.import_questions(pool, _questions(B + 2))
+    client.create_run(pool, RUN)
+
+
+def _plan(client: Client, pool: str) -> BatchPlan:
+    plan = client.plan_batch(pool, RUN, create_tasks=True)
+    assert len(plan.fresh) == B and client.batch_status(pool, plan.id).num_tasks == B
+    return plan
+
+
+def _worker(url: str, model: Path, pool: str, worker_id: str, **overrides: Any) -> RolloutWorker:
+    engine, tokenizer = load_engine("transformers", str(model), device="cpu", seed=hash(worker_id) % 1000)
+    settings: dict[str, Any] = {
+        "pool": pool,
+        "run": RUN,
+        "worker_id": worker_id,
+        "lease_seconds": 5.0,
+        "grader": "math_think",
+        "max_new_tokens": 12,
+        "min_new_tokens": 4,
+        "max_prompt_len": 256,
+        "policy_poll_s": 0.2,
+        "heartbeat_s": 1.0,
+        "backoff_initial_s": 0.05,
+        "backoff_max_s": 0.2,
+        **overrides,
+    }
+    return RolloutWorker(WorkerConfig(**settings), engine, tokenizer, client_factory=lambda: Client(url))
+
+
+def _start(worker: RolloutWorker) -> threading.Thread:
+    thread = threading.Thread(target=worker.run, name=f"worker-{worker.cfg.worker_id}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _stop(*pairs: tuple[RolloutWorker, threading.Thread]) -> None:
+    for w, _ in pairs:
+        w.request_stop()
+    for _, t in pairs:
+        t.join(timeout=60)
+        assert not t.is_alive()
+
+
+def _wait(what: str, check: Callable[[], bool], timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _check_results(client: Client, pool: str, plan: BatchPlan) -> None:
+    res = client.batch_results(pool, plan.id)
+    assert res.complete and len(res.groups) == B
+    assert sorted(g.question_id for g in res.groups) == sorted(q.question_id for q in plan.fresh)
+    for g in res.groups:
+        assert len(g.rollouts) == K
+        for r in g.rollouts:
+            assert r.token_ids_b64 and r.logprobs_b64 and r.reward in (0.0, 1.0)
+            assert r.finish_reason in ("stop", "length") and r.entropy is not None and r.entropy >= 0
+    committed = client.commit_batch(pool, plan.id, res.groups)  # what a trainer does with them
+    assert committed.step == 1
+
+
+# ---------------------------------------------------------------------------------------------
+def test_two_workers_complete_every_task_exactly_once(
+    client: Client, live_server: Any, tiny_model: Path, pool_name: str, grading: GradingPool
+) -> None:
+    _pool_with_run(client, pool_name)
+    plan = _plan(client, pool_name)
+    # a short pause after each claim makes the two workers interleave on the 4 tasks
+    w1 = _worker(live_server.url, tiny_model, pool_name, "w1", test_delay_s=0.3)
+    w2 = _worker(live_server.url, tiny_model, pool_name, "w2", test_delay_s=0.3)
+    w2.grading = grading  # one grades in a process pool, the other in process
+    pairs = [(w1, _start(w1)), (w2, _start(w2))]
+    try:
+        _wait("the batch", lambda: client.batch_status(pool_name, plan.id).tasks_completed == B)
+    finally:
+        _stop(*pairs)
+
+    status = client.batch_status(pool_name, plan.id)
+    assert (status.tasks_completed, status.tasks_pending, status.tasks_leased, status.tasks_failed) == (
+        B,
+        0,
+        0,
+        0,
+    )
+    done = w1.stats.completed_ids + w2.stats.completed_ids
+    assert len(done) == B and len(set(done)) == B  # each task completed once, by one worker
+    assert w1.stats.completed_ids and w2.stats.completed_ids
+    assert w1.stats.tasks_lost == w2.stats.tasks_lost == 0
+    assert all(a == 1 for a in {**w1.stats.attempts, **w2.stats.attempts}.values())
+    assert w1.stats.generated_tokens > 0 and w1.stats.tokens_per_second > 0
+    assert w2.stats.grading_calls >= 1
+    _check_results(client, pool_name, plan)
+
+
+# ---------------------------------------------------------------------------------------------
+def _spawn(url: str, model: Path, pool: str, worker_id: str, log_path: Path) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "exgrpo_cli.main", "--url", url, "rollout",
+        "--pool", pool, "--run", RUN, "--model", str(model), "--worker-id", worker_id,
+        "--lease-seconds", "2", "--grading-workers", "0", "--max-new-tokens", "12",
+        "--min-new-tokens", "4", "--max-prompt-len", "256", "--backoff-max", "0.2", "--heartbeat", "1",
+        "--device", "cpu", "--torch-threads", "1",
+    ]  # fmt: skip
+    env = {**os.environ, TEST_DELAY_ENV: "300", "TRANSFORMERS_VERBOSITY": "error"}
+    with open(log_path, "wb") as log_file:
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+
+def _events(log_path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _claimed(log_path: Path) -> list[int]:
+    return [t for e in _events(log_path) if e["event"] == "tasks_claimed" for t in e["tasks"]]
+
+
+def test_killed_worker_task_is_redone_and_sigterm_fails_back(
+    client: Client, live_server: Any, tiny_model: Path, pool_name: str, tmp_path: Path
+) -> None:
+    _pool_with_run(client, pool_name)
+    plan = _plan(client, pool_name)
+    logs = {name: tmp_path / f"{name}.log" for name in ("victim", "quitter")}
+    procs = {name: _spawn(live_server.url, tiny_model, pool_name, name, path) for name, path in logs.items()}
+    try:
+        # both sit on their claimed task (test delay), renewing its 2 s lease
+        _wait("two leases", lambda: client.batch_status(pool_name, plan.id).tasks_leased == 2, timeout=180)
+        _wait("claim logs", lambda: all(_claimed(p) for p in logs.values()))
+        held = {name: _claimed(path) for name, path in logs.items()}
+        assert all(len(ids) == 1 for ids in held.values()), held
+        time.sleep(2.5)  # longer than the lease: only the renewals keep the two tasks held
+        probe = client.claim_tasks(pool_name, RUN, "probe", max_tasks=B, lease_seconds=60).data
+        assert len(probe) == B - 2 and not {t.id for t in probe} & {i for ids in held.values() for i in ids}
+        for t in probe:
+            assert t.lease_token is not None
+            client.fail_task(pool_name, t.id, t.lease_token, "probe", retry=True)
+
+        procs["victim"].kill()  # SIGKILL: nothing is released, the lease just stops being renewed
+        procs["victim"].wait(timeout=30)
+        procs["quitter"].send_signal(signal.SIGTERM)
+        assert procs["quitter"].wait(timeout=60) == 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    quitter = _events(logs["quitter"])
+    failed_back = [e for e in quitter if e["event"] == "task_failed_back"]
+    assert [e["task"] for e in failed_back] == held["quitter"] and failed_back[0]["retry"] is True
+    assert quitter[-1]["event"] == "worker_stopped" and quitter[-1]["tasks_released"] == 1
+    status = client.batch_status(pool_name, plan.id)
+    # the quitter's task is pending again at once; the victim's stays leased until its lease runs out
+    assert (status.tasks_pending, status.tasks_leased, status.tasks_completed) == (B - 1, 1, 0)
+
+    rescuer = _worker(live_server.url, tiny_model, pool_name, "rescuer", lease_seconds=2.0)
+    pair = (rescuer, _start(rescuer))
+    try:
+        _wait("the batch", lambda: client.batch_status(pool_name, plan.id).tasks_completed == B)
+    finally:
+        _stop(pair)
+    victim_task, quitter_task = held["victim"][0], held["quitter"][0]
+    assert (
+        sorted(rescuer.stats.completed_ids) == sorted(rescuer.stats.attempts)
+        and len(rescuer.stats.attempts) == B
+    )
+    # every task's second attempt (victim, quitter, probe), and the killed task's after its lease ran out
+    assert rescuer.stats.attempts == {t: 2 for t in rescuer.stats.completed_ids}
+    assert {victim_task, quitter_task} <= set(rescuer.stats.completed_ids)
+    _check_results(client, pool_name, plan)
+
+
+# ---------------------------------------------------------------------------------------------
+def _perturbed_copy(model: Path, out: Path) -> dict[str, torch.Tensor]:
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=gen))
+    net.save_pretrained(out)
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def test_worker_loads_a_published_policy_version(
+    client: Client, live_server: Any, tiny_model: Path, pool_name: str, tmp_path: Path, caplog: Any
+) -> None:
+    _pool_with_run(client, pool_name)
+    worker = _worker(live_server.url, tiny_model, pool_name, "follower")
+    caplog.set_level(logging.INFO, logger="exgrpo_rollout.worker")
+    pair = (worker, _start(worker))
+    try:
+        time.sleep(0.5)  # a few idle polls: nothing published yet
+        assert worker.stats.loaded_version == -1 and worker.stats.policy_reloads == 0
+        expected = _perturbed_copy(tiny_model, tmp_path / "v1")
+        client.add_policy_version(pool_name, RUN, version=1, uri=(tmp_path / "v1").resolve().as_uri(), step=1)
+        _wait("the reload", lambda: worker.stats.loaded_version == 1, timeout=60)
+        # a broken publication is logged and skipped; the worker keeps serving with version 1
+        client.add_policy_version(pool_name, RUN, version=2, uri=(tmp_path / "missing").as_uri(), step=2)
+        _wait("the failed load", lambda: any(r.getMessage() == "policy_load_failed" for r in caplog.records))
+        plan = _plan(client, pool_name)
+        assert plan.policy_version == 2
+        _wait("the batch", lambda: client.batch_status(pool_name, plan.id).tasks_completed == B)
+    finally:
+        _stop(pair)
+    assert worker.stats.policy_reloads == 1 and worker.stats.loaded_version == 1
+    state = worker.engine.model.state_dict()  # type: ignore[attr-defined]
+    assert all(torch.equal(state[k], v) for k, v in expected.items())
+    loaded = [r for r in caplog.records if r.getMessage() == "policy_loaded"]
+    assert len(loaded) == 1 and loaded[0].fields["version"] == 1  # type: ignore[attr-defined]
+    assert worker.stats.tasks_completed == B
