@@ -28,6 +28,7 @@ from exgrpo_client import schemas as s
 from exgrpo_client.errors import NotFound
 from exgrpo_rollout.engines.base import SamplingConfig
 from exgrpo_rollout.engines.hf import TransformersEngine
+from exgrpo_rollout.prompts import render_prompt
 from exgrpo_trainer import dist
 from exgrpo_trainer.algo import (
     Completion,
@@ -298,15 +299,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ prompts
     def _prompt_ids(self, messages: list[s.ChatMessage]) -> list[int]:
-        msgs = [
-            {"role": m.role, "content": m.content}
-            for m in messages
-            if not (self.cfg.model.drop_system_prompt and m.role == "system")
-        ]
-        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        limit = self.cfg.model.max_prompt_len
-        return ids[-limit:] if len(ids) > limit else ids
+        """The same rendering as the rollout workers and evaluation."""
+        model = self.cfg.model
+        return render_prompt(
+            self.tokenizer, messages, drop_system=model.drop_system_prompt, max_len=model.max_prompt_len
+        )
 
     # ---------------------------------------------------------------------- replay choice
     def _choose_replays(
