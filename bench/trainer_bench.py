@@ -1,0 +1,1156 @@
+"""Where a trainer step spends its time, and the trainer's memory, on a tiny model on CPU.
+
+The benchmark drives the real trainer (``exgrpo_trainer.trainer.Trainer.train_step``) against the
+real pool service (uvicorn in its own process on a free loopback port, SQLite) with a tiny random
+Qwen2 (``exgrpo_trainer.tiny``), synthetic ``a+b`` questions and a parity reward (1 when the code
+points of the response sum to an even number: deterministic in the text, passed by about half of
+the samples, so groups are partially solved, stored in the pool and replayed later).
+
+Two modes, each in a fresh process, alternated and repeated (``--repeats``):
+
+* ``exgrpo``: experience on, start threshold 0, so step 1 switches the run to the mixed phase, step 2
+  fills the pool and every later step replays half of its questions (rescoring is non-zero);
+* ``grpo``: experience off (plain on-policy GRPO on the same machinery).
+
+Each step is split into the trainer's own ``timing/*`` blocks (plan, rescore, generate,
+old_logprob, update, commit, publish, plus what lies outside them), and, by wrapping the trainer's
+collaborators from here (no change to the trainer), into kinds of work:
+
+* compute: the model's forward calls and the log-prob/entropy head on their response positions
+  (TRL computes the same inside its forward), ``generate`` of the engine, ``backward``, and the
+  optimizer (gradient clipping, ``step``, ``zero_grad``);
+* overhead: everything else: the loss, padding and batching, grading, HTTP to the pool service
+  (client encode/decode and the wait), per-step metrics and the metrics log. The table also gives
+  the overhead with the log-prob head counted in it.
+
+Each process runs torch on one thread (``--threads``): on this shared 2-core machine a two-thread
+op waits until both of its threads get a core, which makes the tiny model's timings swing widely.
+
+Every entry is kept in wall-clock seconds and in CPU seconds of the trainer process: the machine is
+shared, and CPU time does not count the time spent waiting for a core (nor the pool service's own
+work behind an HTTP wait, which the wall view shows).
+
+Memory: the RSS high-water mark of the trainer process (``getrusage``) and its current RSS after
+every step; then ``--trace-steps`` more steps under ``tracemalloc`` give the peak of Python-level
+allocations per step (those steps are slower and are left out of the timings).
+
+Candidate fixes are tried without touching the trainer: a mode such as ``grpo+reuse-old-lp`` runs
+the trainer with that change patched in from here (see "variants" below), and ``ab`` times, in one
+process and alternating call by call, the pieces of work that a fix changes.
+
+    .venv/bin/python bench/trainer_bench.py                    # both modes, 3 repeats each
+    .venv/bin/python bench/trainer_bench.py --quick            # 1 repeat, fewer steps
+    .venv/bin/python bench/trainer_bench.py --modes grpo,grpo+reuse-old-lp --repeats 5
+    .venv/bin/python bench/trainer_bench.py ab                 # in-process A/B of candidate fixes
+
+Results: a table on stdout and ``bench/out/trainer_bench.json`` (``trainer_ab.json`` for ``ab``).
+``bench/trl_compare.py`` reuses ``run_once`` (``python bench/trainer_bench.py _run ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+WORK = OUT / "work" / "trainer"
+GOAL_OVERHEAD_PCT = 5.0
+
+PHASES = ("plan", "rescore", "generate", "old_logprob", "update", "commit", "publish", "outside")
+"""The trainer's timed blocks; `outside` is the rest of `train_step` (prompt tokenisation,
+advantages, step metrics, the run-stats request) plus writing the metrics log."""
+
+COMPUTE_KINDS = (
+    "model_forward",  # the model's forward call (logits)
+    "logprob_head",  # log-softmax / entropy of the response positions (inside response_forward)
+    "engine_generate",  # sampling, with the engine's per-token log-prob/entropy processors
+    "backward",
+    "grad_clip",
+    "optimizer_step",
+    "zero_grad",
+)
+"""Model work. `logprob_head` counts as compute because TRL computes the same quantities inside the
+model's forward (its fused LM head); it is also reported on its own and in `overhead_pct_strict`."""
+OVERHEAD_KINDS = (
+    "loss",  # ExGRPOLoss.__call__
+    "pad_rows",  # building padded tensors from token lists
+    "grading",  # reward function over the decoded responses
+    "http_wait",  # request sent .. response read, per HTTP call to the pool service
+    "http_client",  # the SDK around it: request building, JSON/pydantic encode and decode
+    "save_hf",  # writing the published safetensors folder
+    "metrics_log",  # MetricsLogger.log (JSONL)
+)
+
+
+@dataclass(frozen=True)
+class Params:
+    """The workload: model size, group size, questions per step, response length, step counts."""
+
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    k: int = 8
+    questions_per_step: int = 16
+    max_new_tokens: int = 48
+    questions: int = 1024
+    warmup: int = 3
+    steps: int = 10
+    trace_steps: int = 2
+    publish_every: int = 10
+    mini_batches: int = 1
+    lr: float = 1e-5
+    seed: int = 0
+    threads: int = 1
+    """torch intra-op threads of the trainer process (see `set_threads`)."""
+
+
+# ----------------------------------------------------------------------------------- grading
+def parity(response: str, ground_truth: str) -> Any:
+    """Reward 1 when the response's code points sum to an even number (about half the samples)."""
+    from exgrpo_rollout.graders.base import Grade
+
+    del ground_truth
+    return Grade(float(sum(map(ord, response)) % 2 == 0), "parity")
+
+
+GRADER = "trainer_bench:parity"
+
+
+def questions(n: int) -> list[dict[str, Any]]:
+    """`n` distinct `a+b` questions (also the TRL side's prompts, via `bench/trl_compare.py`)."""
+    side = int(n**0.5) + 1
+    items = [
+        {"prompt": [{"role": "user", "content": f"{a}+{b}"}], "ground_truth": str(a + b)}
+        for a in range(side)
+        for b in range(side)
+    ]
+    return items[:n]
+
+
+def ensure_model(p: Params, root: Path = WORK) -> Path:
+    """The tiny model folder for these sizes (built once, then reused by every run)."""
+    from exgrpo_trainer.tiny import build_tiny_model
+
+    path = root / f"model-h{p.hidden}-l{p.layers}"
+    if not (path / "config.json").is_file():
+        build_tiny_model(
+            path, hidden=p.hidden, layers=p.layers, heads=p.heads, kv_heads=p.kv_heads, seed=p.seed
+        )
+    return path
+
+
+# ------------------------------------------------------------------------------ pool service
+_SERVER = """
+import sys, uvicorn
+from exgrpo_pool.app import create_app
+from exgrpo_pool.config import Settings
+app = create_app(Settings(database_url=sys.argv[1], allow_anonymous=True, log_level="WARNING"))
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning", access_log=False)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def pool_service(folder: Path) -> Iterator[str]:
+    """The real pool service as its own process (so it does not share the trainer's interpreter)."""
+    import httpx
+
+    port = _free_port()
+    db = f"sqlite+aiosqlite:///{folder / 'pool.db'}"
+    log = open(folder / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVER, db, str(port)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the pool service exited; see {folder / 'server.log'}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the pool service did not start within 60 s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+# ---------------------------------------------------------------------------- instrumentation
+class Probe:
+    """Seconds per (trainer phase, kind of work), from wrappers installed around the trainer's
+    collaborators. The current phase follows the trainer's own `_timed` blocks. Each entry is kept
+    twice: wall-clock time (`acc`) and CPU time of this process (`cpu`, `time.process_time`), which
+    a busy machine inflates far less than wall time, since time spent waiting for a core is not in it."""
+
+    def __init__(self) -> None:
+        self.phase = "outside"
+        self.acc: dict[tuple[str, str], float] = defaultdict(float)
+        self.cpu: dict[tuple[str, str], float] = defaultdict(float)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self._depth: dict[str, int] = defaultdict(int)
+
+    def wrap(self, kind: str, fn: Callable[..., Any], *, unless_in: str | None = None) -> Callable[..., Any]:
+        """`fn`, timed as `kind`; calls made inside `unless_in` (another kind) are not counted."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth[kind] or (unless_in and self._depth[unless_in]):  # counted once, outermost
+                return fn(*args, **kwargs)
+            self._depth[kind] += 1
+            t, c = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                key = (self.phase, kind)
+                self.acc[key] += time.perf_counter() - t
+                self.cpu[key] += time.process_time() - c
+                self.calls[key] += 1
+                self._depth[kind] -= 1
+
+        return functools.update_wrapper(timed, fn, updated=())
+
+    def snapshot(self) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]:
+        return dict(self.acc), dict(self.cpu)
+
+    @staticmethod
+    def delta(
+        before: tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]],
+        after: tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]],
+    ) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]:
+        return tuple(  # type: ignore[return-value]
+            {k: a.get(k, 0.0) - b.get(k, 0.0) for k in a} for b, a in zip(before, after, strict=True)
+        )
+
+
+class _TimedModel:
+    """Stands in for the model inside `response_forward`: times the model call only."""
+
+    def __init__(self, model: Any, probe: Probe) -> None:
+        self._call = probe.wrap("model_forward", model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+
+def instrument(trainer: Any, probe: Probe) -> Callable[[], None]:
+    """Install the wrappers; returns a function that removes the global ones."""
+    import torch
+
+    from exgrpo_trainer import trainer as trainer_mod
+
+    undo: list[Callable[[], None]] = []
+
+    def patch(obj: Any, name: str, value: Any) -> None:
+        old = getattr(obj, name)
+        setattr(obj, name, value)
+        undo.append(lambda: setattr(obj, name, old))
+
+    original_timed = trainer._timed
+
+    @contextlib.contextmanager
+    def timed(name: str) -> Iterator[None]:
+        prev, probe.phase = probe.phase, name
+        c = time.process_time()
+        try:
+            with original_timed(name):
+                yield
+        finally:
+            probe.cpu[(name, "phase")] += time.process_time() - c
+            probe.phase = prev
+
+    trainer._timed = timed
+    trainer.engine.generate = probe.wrap("engine_generate", trainer.engine.generate)
+    trainer._grade = probe.wrap("grading", trainer._grade)
+    trainer.loss = probe.wrap("loss", trainer.loss)
+    trainer.optimizer.step = probe.wrap("optimizer_step", trainer.optimizer.step)
+    trainer.optimizer.zero_grad = probe.wrap("zero_grad", trainer.optimizer.zero_grad)
+    client = trainer.client
+    client._request = probe.wrap("http_client", client._request)
+    client._http.send = probe.wrap("http_wait", client._http.send)
+
+    original_forward = trainer_mod.response_forward
+    model_proxy = _TimedModel(trainer.model, probe)
+
+    def response_forward(model: Any, *args: Any, **kwargs: Any) -> Any:
+        return original_forward(model_proxy if model is trainer.model else model, *args, **kwargs)
+
+    patch(trainer_mod, "response_forward", probe.wrap("logprob_head", response_forward))
+    patch(trainer_mod, "pad_rows", probe.wrap("pad_rows", trainer_mod.pad_rows))
+    patch(trainer_mod, "save_hf", probe.wrap("save_hf", trainer_mod.save_hf))
+    patch(torch.Tensor, "backward", probe.wrap("backward", torch.Tensor.backward))
+    patch(torch.nn.utils, "clip_grad_norm_", probe.wrap("grad_clip", torch.nn.utils.clip_grad_norm_))
+
+    def remove() -> None:
+        for fn in reversed(undo):
+            fn()
+
+    return remove
+
+
+def _kinds(delta: dict[tuple[str, str], float]) -> dict[str, float]:
+    """Per-kind seconds; `logprob_head` and `http_client` are made exclusive of what they enclose."""
+    out: dict[str, float] = defaultdict(float)
+    for (_phase, kind), sec in delta.items():
+        if kind != "phase":
+            out[kind] += sec
+    out["logprob_head"] -= out.get("model_forward", 0.0)
+    out["http_client"] -= out.get("http_wait", 0.0)
+    return dict(out)
+
+
+def _by_phase(delta: dict[tuple[str, str], float]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for (phase, kind), sec in delta.items():
+        if kind != "phase":
+            out[phase][kind] += sec
+    for kinds in out.values():
+        kinds["logprob_head"] = kinds.get("logprob_head", 0.0) - kinds.get("model_forward", 0.0)
+        kinds["http_client"] = kinds.get("http_client", 0.0) - kinds.get("http_wait", 0.0)
+    return {p: {k: v for k, v in kinds.items() if v != 0.0} for p, kinds in out.items()}
+
+
+def set_threads(n: int) -> None:
+    """Pin torch (and OpenMP/MKL through the environment, for child processes) to `n` threads.
+
+    On a shared, oversubscribed 2-core machine every multi-threaded op waits for all its threads to
+    be scheduled, which turns the tiny model's microsecond ops into millisecond stalls and makes the
+    timings swing; one thread keeps both sides of a comparison on the same, steadier footing."""
+    import torch
+
+    torch.set_num_threads(n)
+    with contextlib.suppress(RuntimeError):  # only settable before the first inter-op use
+        torch.set_num_interop_threads(n)
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+# ---------------------------------------------------------------------------------- variants
+# Candidate fixes, tried from here on the unchanged trainer so their gain is measured end to end in
+# the same session as the baseline (`--modes grpo,grpo+reuse-old-lp,...`). Each names the change it
+# stands for in the trainer.
+
+
+def _variant_no_fsdp(trainer_mod: Any) -> None:
+    """model.load_model: skip `fully_shard` when the world size is 1 (plain module, no FSDP hooks)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def load_plain(path: Path, device: Any, *, dtype: str, activation_checkpointing: bool) -> Any:
+        del dtype  # float32 on CPU either way
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.config.use_cache = True
+        if activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.to(device)
+
+    trainer_mod.load_model = load_plain
+
+
+def _variant_reuse_old_lp(trainer: Any) -> None:
+    """Trainer.learn/_micro_step: with one mini-batch (and one rank) the update's forward runs on the
+    very weights that produced the rollouts, so pi_old = its log-probs, detached (as TRL does when
+    generation and optimisation are aligned): skip the separate no-grad `_score` pass and take the old
+    log-probs and entropies (for the commit) from the update's forward."""
+    import torch
+
+    if trainer.cfg.optim.mini_batches != 1:
+        raise ValueError("reuse-old-lp needs optim.mini_batches=1")
+    ctx: dict[str, Any] = {}
+    score, micro, loss = trainer._score, trainer._micro_step, trainer.loss
+
+    def learn_score(prompts: list[list[int]], responses: list[list[int]], *, with_entropy: bool) -> Any:
+        if not ctx.get("in_learn"):
+            return score(prompts, responses, with_entropy=with_entropy)
+        ctx["old_lp"] = [[0.0] * len(r) for r in responses]
+        ctx["old_ent"] = [[] for _ in responses]
+        return ctx["old_lp"], ctx["old_ent"]
+
+    def micro_step(rows: Any, old_lp: Any, adv: Any, chosen: list[int], *args: Any) -> Any:
+        ctx["chosen"], ctx["rows"] = chosen, rows
+        try:
+            return micro(rows, old_lp, adv, chosen, *args)
+        finally:
+            ctx.pop("chosen", None)
+
+    def reuse_loss(logprobs: Any, *, old_logprobs: Any, loss_mask: Any, entropy: Any, **kw: Any) -> Any:
+        if ctx.get("chosen") is not None:
+            lp = logprobs.detach()
+            old_logprobs = torch.where(loss_mask, lp, torch.zeros_like(lp))
+            ent = entropy.detach()
+            for j, i in enumerate(ctx["chosen"]):
+                n = len(ctx["rows"][i].response_ids)
+                ctx["old_lp"][i] = lp[j, :n].tolist()
+                ctx["old_ent"][i] = ent[j, :n].float().tolist()
+        return loss(logprobs, old_logprobs=old_logprobs, loss_mask=loss_mask, entropy=entropy, **kw)
+
+    learn = trainer.learn
+
+    def learn_once(rows: Any, mixed: bool) -> Any:
+        ctx["in_learn"] = True
+        try:
+            return learn(rows, mixed)
+        finally:
+            ctx["in_learn"] = False
+
+    trainer._score, trainer._micro_step, trainer.loss, trainer.learn = (
+        learn_score,
+        micro_step,
+        reuse_loss,
+        learn_once,
+    )
+
+
+def _variant_one_generate(trainer: Any) -> None:
+    """Trainer._generate_colocated: one `generate` call for the whole batch (each prompt repeated
+    as many times as it needs samples, n=1), instead of one call per distinct sample count (K-1 for
+    replayed questions, K for fresh ones), so the decode loop runs once per step."""
+    import torch
+
+    from exgrpo_rollout.engines.base import SamplingConfig
+    from exgrpo_trainer import trainer as trainer_mod
+
+    cfg = trainer.cfg
+
+    def generate(plan: Any, questions: list[Any], k: int) -> list[list[Any]]:
+        counts = [q.num_generations(k) for q in questions]
+        flat = [q.prompt_ids for q, n in zip(questions, counts, strict=True) for _ in range(n)]
+        sampling = SamplingConfig(
+            n=1,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            min_new_tokens=cfg.rollout.min_new_tokens,
+            seed=trainer_mod._seed(cfg.run.seed, plan.step, "all"),
+        )
+        with torch.no_grad():
+            res = iter(trainer.engine.generate(flat, sampling))
+        return [[next(res)[0] for _ in range(n)] for n in counts]
+
+    trainer._generate_colocated = generate
+
+
+def _variant_fused_adam(trainer_mod: Any) -> None:
+    """Trainer.__init__: `torch.optim.AdamW(..., fused=True)` (one fused kernel per step instead of
+    a Python loop over the parameters; TRL gets it from transformers' default `adamw_torch_fused`)."""
+    import torch
+
+    adamw = torch.optim.AdamW
+
+    class FusedAdamW(adamw):  # type: ignore[misc, valid-type]
+        def __init__(self, params: Any, **kw: Any) -> None:
+            super().__init__(params, fused=True, **kw)
+
+    trainer_mod.torch.optim.AdamW = FusedAdamW
+
+
+def _variant_no_sampler_stats(trainer_mod: Any) -> None:
+    """TransformersEngine (colocated use): skip the two logits processors that record every sampled
+    token's log-prob and every step's entropy. The trainer recomputes both in the old-log-prob pass
+    and uses neither for generated rows (only replayed rows' stored log-probs enter the loss), so in
+    colocated mode they are work without a reader; the fix is an engine flag the trainer turns off."""
+    del trainer_mod
+    import torch
+
+    from exgrpo_rollout.engines import hf
+
+    def no_entropy(self: Any, _input_ids: Any, scores: Any) -> Any:
+        self.steps.append(torch.zeros(scores.shape[0]))
+        return scores
+
+    def no_logprob(self: Any, _input_ids: Any, scores: Any) -> Any:
+        if self.prev is not None:
+            self.steps.append(self.prev)
+        self.prev = torch.zeros(scores.shape[0])
+        return scores
+
+    def finish(self: Any, _last_tokens: Any) -> None:
+        if self.prev is not None:
+            self.steps.append(self.prev)
+            self.prev = None
+
+    hf._RawEntropy.__call__ = no_entropy  # type: ignore[method-assign]
+    hf._SampledLogprob.__call__ = no_logprob  # type: ignore[method-assign]
+    hf._SampledLogprob.finish = finish  # type: ignore[method-assign]
+
+
+def _variant_no_stats(trainer: Any) -> None:
+    """Trainer.train_step/_experience_stats: no run-stats request when experience is off (every
+    value is 0 then); with experience on, the commit answer could carry them instead."""
+    stats = trainer._experience_stats
+    trainer._experience_stats = lambda plan: stats(plan) if trainer.cfg.experience.enabled else {}
+
+
+VARIANTS_BEFORE: dict[str, Callable[[Any], None]] = {
+    "fused-adam": _variant_fused_adam,
+    "no-fsdp": _variant_no_fsdp,
+    "no-sampler-stats": _variant_no_sampler_stats,
+}
+VARIANTS_AFTER: dict[str, Callable[[Any], None]] = {
+    "reuse-old-lp": _variant_reuse_old_lp,
+    "one-generate": _variant_one_generate,
+    "no-stats": _variant_no_stats,
+}
+
+
+def parse_mode(mode: str) -> tuple[str, list[str]]:
+    """`exgrpo` or `grpo`, then `+variant` names."""
+    base, *variants = mode.split("+")
+    if base not in ("exgrpo", "grpo"):
+        raise ValueError(f"mode must start with exgrpo or grpo, got {mode!r}")
+    unknown = [v for v in variants if v not in VARIANTS_BEFORE and v not in VARIANTS_AFTER]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}: known {sorted({**VARIANTS_BEFORE, **VARIANTS_AFTER})}")
+    return base, variants
+
+
+# ----------------------------------------------------------------------------------- one run
+def run_once(mode: str, p: Params, model: Path, folder: Path) -> dict[str, Any]:
+    """Warm-up + measured steps of one trainer process in `mode` (exgrpo | grpo, + variants)."""
+    import torch
+
+    from exgrpo_client import Client
+    from exgrpo_trainer import trainer as trainer_mod
+    from exgrpo_trainer.config import load_config
+    from exgrpo_trainer.telemetry import MetricsLogger
+    from exgrpo_trainer.trainer import Trainer
+
+    base, variants = parse_mode(mode)
+    set_threads(p.threads)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the parity grader's module
+    folder.mkdir(parents=True, exist_ok=True)
+    rss_start_kb = _rss_kb()
+    for v in variants:
+        if v in VARIANTS_BEFORE:
+            VARIANTS_BEFORE[v](trainer_mod)
+    with pool_service(folder) as url, Client(url) as client:
+        client.create_pool(
+            "bench",
+            config={"k": p.k, "batch_size": p.questions_per_step, "start_threshold": 0.0},
+        )
+        client.import_questions("bench", questions(p.questions))
+        cfg = load_config(
+            None,
+            [
+                f"run.pool_url={url}",
+                "run.pool=bench",
+                f"run.name={base}",
+                f"run.seed={p.seed}",
+                f"run.output_dir={folder / 'run'}",
+                f"run.steps={p.warmup + p.steps + p.trace_steps}",
+                f"model.path={model}",
+                "model.activation_checkpointing=false",
+                f"rollout.max_new_tokens={p.max_new_tokens}",
+                f"rollout.min_new_tokens={p.max_new_tokens}",  # every response is exactly this long
+                f"rollout.grader={GRADER}",
+                "rollout.grading_workers=0",
+                f"experience.enabled={'true' if base == 'exgrpo' else 'false'}",
+                f"optim.lr={p.lr}",
+                f"optim.mini_batches={p.mini_batches}",
+                f"schedule.publish_every={p.publish_every}",
+                "schedule.checkpoint_every=0",
+                "logging.tensorboard=false",
+                "logging.progress=false",
+                "logging.send_to_service=true",
+            ],
+        )
+        trainer = Trainer(cfg, client=client)
+        probe = Probe()
+        remove = instrument(trainer, probe)
+        for v in variants:
+            if v in VARIANTS_AFTER:
+                VARIANTS_AFTER[v](trainer)
+        try:
+            trainer._attach_run()
+            logger = MetricsLogger(trainer.out, cfg.logging, cfg.run.steps, cfg.public_dict())
+            logger.log = probe.wrap("metrics_log", logger.log)  # type: ignore[method-assign]
+            steps: list[dict[str, Any]] = []
+            total = p.warmup + p.steps + p.trace_steps
+            for i in range(total):
+                tracing = i >= p.warmup + p.steps
+                if tracing and not tracemalloc.is_tracing():
+                    tracemalloc.start()
+                if tracing:
+                    tracemalloc.reset_peak()
+                before = probe.snapshot()
+                t0, c0 = time.perf_counter(), time.process_time()
+                metrics = trainer.train_step()
+                probe.phase = "outside"
+                logger.log(trainer.step, metrics)
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                delta, delta_cpu = Probe.delta(before, probe.snapshot())
+                phases = {ph: metrics.get(f"timing/{ph}", 0.0) for ph in PHASES if ph != "outside"}
+                phases["outside"] = wall - sum(phases.values())
+                phases_cpu = {ph: delta_cpu.get((ph, "phase"), 0.0) for ph in PHASES if ph != "outside"}
+                phases_cpu["outside"] = cpu - sum(phases_cpu.values())
+                rec: dict[str, Any] = {
+                    "step": trainer.step,
+                    "warmup": i < p.warmup,
+                    "traced": tracing,
+                    "wall_s": wall,
+                    "cpu_s": cpu,
+                    "train_step_s": metrics["timing/step"],
+                    "phases": phases,
+                    "phases_cpu": phases_cpu,
+                    "kinds": _kinds(delta),
+                    "kinds_cpu": _kinds(delta_cpu),
+                    "by_phase": _by_phase(delta),
+                    "by_phase_cpu": _by_phase(delta_cpu),
+                    "rss_kb": _rss_kb(),
+                    "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                    "mixed": metrics.get("phase/mixed", 0.0),
+                    "replayed_questions": metrics.get("batch/replayed_questions", 0.0),
+                    "rows": metrics.get("batch/rows", 0.0),
+                    "solved": metrics.get("batch/solved", 0.0),
+                    "loss": metrics.get("loss/total", 0.0),
+                    "old_entropy": metrics.get("actor/old_entropy", 0.0),
+                }
+                if tracing:
+                    rec["tracemalloc_peak_kb"] = tracemalloc.get_traced_memory()[1] // 1024
+                steps.append(rec)
+            if tracemalloc.is_tracing():
+                tracemalloc.stop()
+            logger.close()
+        finally:
+            remove()
+            trainer.close()
+    return {
+        "mode": mode,
+        "params": asdict(p),
+        "torch_threads": torch.get_num_threads(),
+        "rss_start_kb": rss_start_kb,
+        "steps": steps,
+        "summary": summarize(steps),
+    }
+
+
+# --------------------------------------------------------------------------------- summaries
+UPDATE_PARTS = (
+    "model_forward",
+    "logprob_head",
+    "loss",
+    "pad_rows",
+    "backward",
+    "grad_clip",
+    "optimizer_step",
+)
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return float(statistics.fmean(values)) if values else 0.0
+
+
+VIEWS = {
+    "wall": ("wall_s", "phases", "kinds", "by_phase"),
+    "cpu": ("cpu_s", "phases_cpu", "kinds_cpu", "by_phase_cpu"),
+}
+"""Two views of every step: wall-clock seconds, and CPU seconds of the trainer process."""
+
+
+def _view(timed: list[dict[str, Any]], view: str) -> dict[str, Any]:
+    step_key, phases_key, kinds_key, by_phase_key = VIEWS[view]
+    total = [s[step_key] for s in timed]
+    compute = [sum(s[kinds_key].get(k, 0.0) for k in COMPUTE_KINDS) for s in timed]
+    head = [s[kinds_key].get("logprob_head", 0.0) for s in timed]
+    over = [w - c for w, c in zip(total, compute, strict=True)]
+    upd = [s[by_phase_key].get("update", {}) for s in timed]
+    fbo = ("model_forward", "backward", "grad_clip", "optimizer_step", "zero_grad")
+    upd_fbo = [sum(u.get(k, 0.0) for k in fbo) for u in upd]
+    upd_total = [s[phases_key]["update"] for s in timed]
+    kinds = (*COMPUTE_KINDS, *OVERHEAD_KINDS)
+    phase_names = sorted({ph for s in timed for ph in s[by_phase_key]})
+    return {
+        "step_s_median": _median(total),
+        "step_s_mean": _mean(total),
+        "phases_mean": {ph: _mean(s[phases_key][ph] for s in timed) for ph in PHASES},
+        "kinds_mean": {k: _mean(s[kinds_key].get(k, 0.0) for s in timed) for k in kinds},
+        "by_phase_mean": {
+            ph: {k: _mean(s[by_phase_key].get(ph, {}).get(k, 0.0) for s in timed) for k in kinds}
+            for ph in phase_names
+        },
+        "compute_s_mean": _mean(compute),
+        "overhead_s_mean": _mean(over),
+        "overhead_pct": 100.0 * sum(over) / sum(total),
+        "overhead_pct_strict": 100.0 * (sum(over) + sum(head)) / sum(total),
+        "update_overhead_pct": 100.0 * (sum(upd_total) - sum(upd_fbo)) / max(sum(upd_total), 1e-12),
+    }
+
+
+def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means and medians over the measured steps (no warm-up, no traced steps) of one run."""
+    timed = [s for s in steps if not s["warmup"] and not s["traced"]]
+    if not timed:
+        return {}
+    traced = [s["tracemalloc_peak_kb"] for s in steps if "tracemalloc_peak_kb" in s]
+    return {
+        "steps": len(timed),
+        **{view: _view(timed, view) for view in VIEWS},
+        "maxrss_mb": max(s["maxrss_kb"] for s in steps) / 1024,
+        "rss_mb_last": steps[-1]["rss_kb"] / 1024,
+        "rss_mb_per_step": [round(s["rss_kb"] / 1024, 1) for s in steps],
+        "maxrss_mb_per_step": [round(s["maxrss_kb"] / 1024, 1) for s in steps],
+        "tracemalloc_peak_mb": (max(traced) / 1024) if traced else None,
+        "replayed_questions_mean": _mean(s["replayed_questions"] for s in timed),
+        "rows_mean": _mean(s["rows"] for s in timed),
+    }
+
+
+def _combine_view(views: list[dict[str, Any]]) -> dict[str, Any]:
+    phases = sorted({ph for v in views for ph in v["by_phase_mean"]})
+    kinds = list(views[0]["kinds_mean"])
+    scalar = (
+        "step_s_mean",
+        "compute_s_mean",
+        "overhead_s_mean",
+        "overhead_pct",
+        "overhead_pct_strict",
+        "update_overhead_pct",
+    )
+    return {
+        "step_s_median": _median([v["step_s_median"] for v in views]),
+        "step_s_runs": [round(v["step_s_median"], 3) for v in views],
+        **{k: _median([v[k] for v in views]) for k in scalar},
+        "overhead_pct_runs": [round(v["overhead_pct"], 2) for v in views],
+        "phases_mean": {ph: _median([v["phases_mean"][ph] for v in views]) for ph in PHASES},
+        "kinds_mean": {k: _median([v["kinds_mean"][k] for v in views]) for k in kinds},
+        "by_phase_mean": {
+            ph: {k: _median([v["by_phase_mean"].get(ph, {}).get(k, 0.0) for v in views]) for k in kinds}
+            for ph in phases
+        },
+    }
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians across repeated runs of one mode (each run's own means/medians first)."""
+    ss = [r["summary"] for r in runs]
+    return {
+        "repeats": len(runs),
+        **{view: _combine_view([s[view] for s in ss]) for view in VIEWS},
+        "maxrss_mb": _median([s["maxrss_mb"] for s in ss]),
+        "rss_mb_per_step": ss[0]["rss_mb_per_step"],
+        "tracemalloc_peak_mb": _median([s["tracemalloc_peak_mb"] or 0.0 for s in ss]),
+        "replayed_questions_mean": _median([s["replayed_questions_mean"] for s in ss]),
+        "rows_mean": _median([s["rows_mean"] for s in ss]),
+    }
+
+
+def machine() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    load = os.getloadavg()
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "loadavg_start": [round(x, 2) for x in load],
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+# ---------------------------------------------------------------------------------- printing
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    modes = list(results)
+    width = max(12, *(len(m) + 2 for m in modes))
+    lines: list[str] = []
+    wall = {m: results[m]["wall"] for m in modes}
+    cpu = {m: results[m]["cpu"] for m in modes}
+
+    def header(title: str) -> None:
+        head = f"{title:<36}" + "".join(f"{m:>{width}}" for m in modes)
+        lines.extend(["", head, "-" * len(head)])
+
+    def row(label: str, values: list[float | None], kind: str = "s") -> None:
+        fmt = {"s": f"{{:>{width}.3f}}", "%": f"{{:>{width - 1}.2f}}%", "n": f"{{:>{width}.1f}}"}[kind]
+        cells = [f"{'-':>{width}}" if v is None else fmt.format(v) for v in values]
+        lines.append(f"{label:<36}" + "".join(cells))
+
+    for title, v in (("wall seconds per step (mean)", wall), ("CPU seconds per step (mean)", cpu)):
+        header(title)
+        for ph in PHASES:
+            row(f"  {ph}", [v[m]["phases_mean"][ph] for m in modes])
+        row("step (mean)", [v[m]["step_s_mean"] for m in modes])
+        row("step (median)", [v[m]["step_s_median"] for m in modes])
+        row("overhead % of step", [v[m]["overhead_pct"] for m in modes], "%")
+    header("inside update (wall s)")
+    for k in UPDATE_PARTS:
+        row(f"  {k}", [wall[m]["by_phase_mean"].get("update", {}).get(k, 0.0) for m in modes])
+    row(
+        "  rest (batching, metrics merge)",
+        [
+            wall[m]["phases_mean"]["update"]
+            - sum(
+                wall[m]["by_phase_mean"].get("update", {}).get(k, 0.0) for k in (*UPDATE_PARTS, "zero_grad")
+            )
+            for m in modes
+        ],
+    )
+    row("overhead % of update", [wall[m]["update_overhead_pct"] for m in modes], "%")
+    header("by kind of work (wall s per step)")
+    for k in COMPUTE_KINDS:
+        row(f"  compute: {k}", [wall[m]["kinds_mean"][k] for m in modes])
+    for k in OVERHEAD_KINDS:
+        row(f"  overhead: {k}", [wall[m]["kinds_mean"][k] for m in modes])
+    row(
+        "  overhead: rest (unattributed)",
+        [wall[m]["overhead_s_mean"] - sum(wall[m]["kinds_mean"][k] for k in OVERHEAD_KINDS) for m in modes],
+    )
+    row("compute", [wall[m]["compute_s_mean"] for m in modes])
+    row("overhead", [wall[m]["overhead_s_mean"] for m in modes])
+    row("overhead % of step (wall)", [wall[m]["overhead_pct"] for m in modes], "%")
+    row("  with the log-prob head as overhead", [wall[m]["overhead_pct_strict"] for m in modes], "%")
+    row("overhead % of step (CPU)", [cpu[m]["overhead_pct"] for m in modes], "%")
+    header("batch and memory")
+    row("replayed questions / step", [results[m]["replayed_questions_mean"] for m in modes], "n")
+    row("rows / step", [results[m]["rows_mean"] for m in modes], "n")
+    row("peak RSS, getrusage (MB)", [results[m]["maxrss_mb"] for m in modes], "n")
+    row("tracemalloc peak / step (MB)", [results[m]["tracemalloc_peak_mb"] for m in modes], "n")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- A/B in-process
+# The same work done two ways, alternated call by call in one process (A, B, A, B, ...), so both see
+# the same machine; the gain is the median of the per-pair ratios B/A, in wall and in CPU time.
+
+
+def _pairs(a: Callable[[], Any], b: Callable[[], Any], reps: int) -> dict[str, Any]:
+    a()
+    b()  # warm both paths
+    wa, wb, ca, cb = [], [], [], []
+    for _ in range(reps):
+        for fn, w, c in ((a, wa, ca), (b, wb, cb)):
+            t, u = time.perf_counter(), time.process_time()
+            fn()
+            w.append(time.perf_counter() - t)
+            c.append(time.process_time() - u)
+    return {
+        "reps": reps,
+        "a_wall_s": _median(wa),
+        "b_wall_s": _median(wb),
+        "a_cpu_s": _median(ca),
+        "b_cpu_s": _median(cb),
+        "ratio_wall": _median([y / x for x, y in zip(wa, wb, strict=True)]),
+        "ratio_cpu": _median([y / x for x, y in zip(ca, cb, strict=True)]),
+    }
+
+
+def run_ab(p: Params, model_path: Path, reps: int) -> dict[str, dict[str, Any]]:
+    """In-process A/B checks of the candidate fixes that change how work is done (the others remove
+    a measured phase outright: see the step tables)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from exgrpo_rollout.engines import hf
+    from exgrpo_rollout.engines.base import SamplingConfig
+    from exgrpo_rollout.engines.hf import TransformersEngine
+    from exgrpo_trainer import dist
+    from exgrpo_trainer.algo import ExGRPOLoss, LossConfig
+    from exgrpo_trainer.model import load_model, load_tokenizer, pad_rows, response_forward, unsharded
+
+    set_threads(p.threads)
+    device = dist.init()
+    tok = load_tokenizer(model_path)
+    fsdp_model = load_model(model_path, device, dtype="auto", activation_checkpointing=False)
+    plain_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    plain_model.config.use_cache = True
+    opt = {
+        "fsdp": torch.optim.AdamW(fsdp_model.parameters(), lr=p.lr),
+        "plain": torch.optim.AdamW(plain_model.parameters(), lr=p.lr),
+    }
+    engines = {m: TransformersEngine(x, tok) for m, x in (("fsdp", fsdp_model), ("plain", plain_model))}
+    qs = questions(p.questions)[: p.questions_per_step]
+    prompts = []
+    for q in qs:
+        text = tok.apply_chat_template(q["prompt"], add_generation_prompt=True, tokenize=False)
+        prompts.append(list(tok(text, add_special_tokens=False)["input_ids"]))
+    sampling = SamplingConfig(n=p.k, max_new_tokens=p.max_new_tokens, min_new_tokens=p.max_new_tokens, seed=1)
+    gen = engines["plain"].generate(prompts, sampling)
+    rows_p = [prompts[i] for i, cs in enumerate(gen) for _ in cs]
+    rows_r = [c.token_ids for cs in gen for c in cs]
+    loss_fn = ExGRPOLoss(LossConfig(max_response_len=p.max_new_tokens))
+    adv = torch.randn(len(rows_r))
+    out: dict[str, dict[str, Any]] = {}
+
+    def update(name: str) -> Callable[[], None]:
+        model = fsdp_model if name == "fsdp" else plain_model
+
+        def step() -> None:
+            ids, att, rids, rmask, pos = pad_rows(rows_p, rows_r, int(tok.pad_token_id), device)
+            lp, ent = response_forward(model, ids, att, rids, pos, with_entropy=True)
+            zeros = torch.zeros_like(lp)
+            loss, _ = loss_fn(
+                lp.float(),
+                old_logprobs=lp.detach(),
+                advantages=adv,
+                loss_mask=rmask,
+                mixed_phase=False,
+                replay_mask=torch.zeros_like(rmask),
+                past_logprobs=zeros,
+                entropy=ent,
+                num_loss_tokens=float(rmask.sum()),
+            )
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt[name].step()
+            opt[name].zero_grad(set_to_none=True)
+
+        return step
+
+    def generate(name: str) -> Callable[[], None]:
+        def call() -> None:
+            model = fsdp_model if name == "fsdp" else plain_model
+            with unsharded(model), torch.no_grad():
+                engines[name].generate(prompts, sampling)
+
+        return call
+
+    print("[trainer-bench ab] update step: FSDP2 at world size 1 (A) vs plain module (B)", file=sys.stderr)
+    out["no-fsdp: update (fwd+loss+bwd+optimizer)"] = _pairs(update("fsdp"), update("plain"), reps)
+    fused = torch.optim.AdamW(fsdp_model.parameters(), lr=p.lr, fused=True)
+    for x in fsdp_model.parameters():  # gradients for the optimizer steps below
+        x.grad = torch.randn_like(x) * 1e-3
+
+    def adam_step(o: Any) -> Callable[[], None]:
+        return lambda: o.step()
+
+    print("[trainer-bench ab] optimizer step: AdamW for-loop (A) vs fused (B)", file=sys.stderr)
+    out["fused-adam: optimizer step"] = _pairs(adam_step(opt["fsdp"]), adam_step(fused), reps * 4)
+    fsdp_model.zero_grad(set_to_none=True)
+    print("[trainer-bench ab] generate: FSDP2 (A) vs plain (B)", file=sys.stderr)
+    out["no-fsdp: generate"] = _pairs(generate("fsdp"), generate("plain"), max(3, reps // 2))
+
+    saved = (hf._RawEntropy.__call__, hf._SampledLogprob.__call__, hf._SampledLogprob.finish)
+
+    def with_stats() -> None:
+        hf._RawEntropy.__call__, hf._SampledLogprob.__call__, hf._SampledLogprob.finish = saved
+        generate("fsdp")()
+
+    def without_stats() -> None:
+        _variant_no_sampler_stats(None)
+        try:
+            generate("fsdp")()
+        finally:
+            hf._RawEntropy.__call__, hf._SampledLogprob.__call__, hf._SampledLogprob.finish = saved
+
+    print(
+        "[trainer-bench ab] generate: sampler log-prob/entropy processors on (A) vs off (B)", file=sys.stderr
+    )
+    out["no-sampler-stats: generate"] = _pairs(with_stats, without_stats, max(3, reps // 2))
+
+    half = len(prompts) // 2
+    seven = SamplingConfig(
+        n=p.k - 1, max_new_tokens=p.max_new_tokens, min_new_tokens=p.max_new_tokens, seed=2
+    )
+    one = SamplingConfig(n=1, max_new_tokens=p.max_new_tokens, min_new_tokens=p.max_new_tokens, seed=3)
+    flat = [x for x in prompts[:half] for _ in range(p.k - 1)] + [
+        x for x in prompts[half:] for _ in range(p.k)
+    ]
+
+    def two_calls() -> None:
+        with unsharded(fsdp_model), torch.no_grad():
+            engines["fsdp"].generate(prompts[:half], seven)
+            engines["fsdp"].generate(prompts[half:], sampling)
+
+    def one_call() -> None:
+        with unsharded(fsdp_model), torch.no_grad():
+            engines["fsdp"].generate(flat, one)
+
+    print(
+        "[trainer-bench ab] mixed-phase generate: 2 calls (n=K-1, n=K) (A) vs 1 flat call (B)",
+        file=sys.stderr,
+    )
+    out["one-generate: mixed-phase generate"] = _pairs(two_calls, one_call, max(3, reps // 2))
+    return out
+
+
+def format_ab(res: dict[str, dict[str, Any]]) -> str:
+    cols = "".join(f"{c:>10}" for c in ("A wall", "B wall", "B/A wall", "A CPU", "B CPU", "B/A CPU"))
+    head = f"{'A/B (medians)':<44}{cols}"
+    lines = [head, "-" * len(head)]
+    for name, r in res.items():
+        lines.append(
+            f"{name:<44}{r['a_wall_s']:>10.3f}{r['b_wall_s']:>10.3f}{r['ratio_wall']:>10.3f}"
+            f"{r['a_cpu_s']:>10.3f}{r['b_cpu_s']:>10.3f}{r['ratio_cpu']:>10.3f}"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ driver
+def child_env(p: Params) -> dict[str, str]:
+    n = str(p.threads)
+    return {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "TOKENIZERS_PARALLELISM": "false"}
+
+
+def spawn_run(mode: str, p: Params, model: Path, folder: Path) -> dict[str, Any]:
+    """`run_once` in a fresh interpreter (its own RSS high-water mark and torch state)."""
+    out = folder / "result.json"
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "_run",
+        "--mode",
+        mode,
+        "--params",
+        json.dumps(asdict(p)),
+        "--model",
+        str(model),
+        "--folder",
+        str(folder),
+        "--json",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=child_env(p))
+    return json.loads(out.read_text())
+
+
+def params_from_args(args: argparse.Namespace) -> Params:
+    p = Params(
+        hidden=args.hidden,
+        layers=args.layers,
+        k=args.k,
+        questions_per_step=args.questions_per_step,
+        max_new_tokens=args.max_new_tokens,
+        warmup=args.warmup,
+        steps=args.steps,
+        trace_steps=args.trace_steps,
+        publish_every=args.publish_every,
+        mini_batches=args.mini_batches,
+        threads=args.threads,
+    )
+    if args.quick:
+        p = Params(**{**asdict(p), "steps": 4, "warmup": 3, "trace_steps": 1})
+    return p
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    d = Params()
+    ap.add_argument("--hidden", type=int, default=d.hidden)
+    ap.add_argument("--layers", type=int, default=d.layers)
+    ap.add_argument("--k", type=int, default=d.k, help="rollouts per question (K)")
+    ap.add_argument("--questions-per-step", type=int, default=d.questions_per_step, help="B")
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--warmup", type=int, default=d.warmup)
+    ap.add_argument("--steps", type=int, default=d.steps, help="measured steps per run")
+    ap.add_argument("--trace-steps", type=int, default=d.trace_steps)
+    ap.add_argument("--publish-every", type=int, default=d.publish_every)
+    ap.add_argument("--mini-batches", type=int, default=d.mini_batches)
+    ap.add_argument("--threads", type=int, default=d.threads, help="torch threads per process")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 4 measured steps")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_run":  # one run in this process (used by the driver and trl_compare)
+        ap = argparse.ArgumentParser(prog="trainer_bench.py _run")
+        ap.add_argument("--mode", required=True)
+        ap.add_argument("--params", required=True)
+        ap.add_argument("--model", required=True, type=Path)
+        ap.add_argument("--folder", required=True, type=Path)
+        ap.add_argument("--json", required=True, type=Path)
+        a = ap.parse_args(argv[1:])
+        result = run_once(a.mode, Params(**json.loads(a.params)), a.model, a.folder)
+        a.json.write_text(json.dumps(result, indent=1))
+        return 0
+
+    if argv and argv[0] == "ab":  # in-process A/B checks of candidate fixes
+        ap = argparse.ArgumentParser(prog="trainer_bench.py ab")
+        add_workload_args(ap)
+        ap.add_argument("--reps", type=int, default=12)
+        ap.add_argument("--out", type=Path, default=OUT / "trainer_ab.json")
+        args = ap.parse_args(argv[1:])
+        p = params_from_args(args)
+        info = machine()
+        res = run_ab(p, ensure_model(p), args.reps)
+        info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        print(format_ab(res))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"machine": info, "params": asdict(p), "ab": res}, indent=1))
+        print(f"wrote {args.out}")
+        return 0
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(ap)
+    ap.add_argument("--modes", default="exgrpo,grpo")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=OUT / "trainer_bench.json")
+    args = ap.parse_args(argv)
+    p = params_from_args(args)
+    repeats = 1 if args.quick else args.repeats
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    info = machine()
+    model = ensure_model(p)
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(prefix="trainer-bench-", dir=WORK) as tmp:
+        for r in range(repeats):
+            for m in modes if r % 2 == 0 else list(reversed(modes)):
+                print(f"[trainer-bench] repeat {r + 1}/{repeats}: {m}", file=sys.stderr, flush=True)
+                runs[m].append(spawn_run(m, p, model, Path(tmp) / f"{m}-{r}"))
+    results = {m: combine(rs) for m, rs in runs.items()}
+    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    table = format_table(results)
+    print(
+        f"\ntiny Qwen2 hidden={p.hidden} layers={p.layers}, K={p.k}, B={p.questions_per_step}, "
+        f"{p.max_new_tokens} new tokens, {p.steps} measured steps after {p.warmup} warm-up, "
+        f"medians of {repeats} runs per mode\n"
+    )
+    print(table)
+    for m, res in results.items():
+        w, c = res["wall"]["overhead_pct"], res["cpu"]["overhead_pct"]
+        verdict = "met" if w < GOAL_OVERHEAD_PCT else "missed"
+        print(
+            f"{m}: overhead {w:.2f}% of a step (wall; {c:.2f}% of CPU), "
+            f"goal < {GOAL_OVERHEAD_PCT}%: {verdict}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"machine": info, "params": asdict(p), "results": results, "runs": runs}, indent=1)
+    )
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
