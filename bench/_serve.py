@@ -1,0 +1,141 @@
+"""Launcher of the pool service for `pool_bench.py`: one uvicorn process, settings from EXGRPO_*.
+
+Besides the plain service it can, for the benchmark only:
+
+* ``EXGRPO_BENCH_TIMING=1``: add a ``Server-Timing`` header to every response with the time the
+  request spent in the application (from its first byte to the response start), in SQL statements
+  (SQLAlchemy cursor events) and in Redis round trips, so the benchmark can tell where time goes.
+* ``EXGRPO_BENCH_PROFILE=<file>``: SIGUSR1 starts cProfile on the event-loop thread, SIGUSR2
+  stops it and writes the stats to ``<file>``.
+
+Usage: ``EXGRPO_DATABASE_URL=... EXGRPO_ALLOW_ANONYMOUS=true python bench/_serve.py``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import cProfile
+import functools
+import os
+import signal
+import time
+from typing import Any
+
+import uvicorn
+
+from exgrpo_pool.app import create_app
+from exgrpo_pool.config import Settings
+
+# [sql seconds, sql statements, redis seconds, redis round trips] of the current request
+_ACC: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("bench_acc", default=None)
+
+
+def _add(slot: int, seconds: float) -> None:
+    acc = _ACC.get()
+    if acc is not None:
+        acc[slot] += seconds
+        acc[slot + 1] += 1
+
+
+def _install_sql_timer() -> None:
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    def before(conn: Any, *_: Any) -> None:
+        conn.info.setdefault("bench_t0", []).append(time.perf_counter())
+
+    def after(conn: Any, *_: Any) -> None:
+        stack = conn.info.get("bench_t0")
+        if stack:
+            _add(0, time.perf_counter() - stack.pop())
+
+    def failed(ctx: Any) -> None:
+        stack = ctx.connection.info.get("bench_t0") if ctx.connection is not None else None
+        if stack:
+            stack.pop()
+
+    event.listen(Engine, "before_cursor_execute", before)
+    event.listen(Engine, "after_cursor_execute", after)
+    event.listen(Engine, "handle_error", failed)
+
+
+def _install_redis_timer() -> None:
+    from redis.asyncio import client
+
+    def timed(fn: Any) -> Any:
+        @functools.wraps(fn)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                _add(2, time.perf_counter() - t0)
+
+        return wrapper
+
+    client.Redis.execute_command = timed(client.Redis.execute_command)  # type: ignore[method-assign]
+    client.Pipeline.execute = timed(client.Pipeline.execute)  # type: ignore[method-assign]
+
+
+class ServerTiming:
+    """ASGI wrapper that reports app / SQL / Redis time of each request in `Server-Timing`."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        acc = [0.0, 0.0, 0.0, 0.0]
+        token = _ACC.set(acc)
+        t0 = time.perf_counter()
+
+        async def timed_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                app_ms = (time.perf_counter() - t0) * 1000
+                value = (
+                    f'app;dur={app_ms:.3f}, sql;dur={acc[0] * 1000:.3f};desc="{int(acc[1])}", '
+                    f'redis;dur={acc[2] * 1000:.3f};desc="{int(acc[3])}"'
+                )
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"server-timing", value.encode())],
+                }
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            _ACC.reset(token)
+
+
+def _install_profiler(path: str) -> None:
+    prof = cProfile.Profile()
+
+    def start(*_: Any) -> None:
+        prof.enable()
+
+    def stop(*_: Any) -> None:
+        prof.disable()
+        prof.dump_stats(path)
+
+    signal.signal(signal.SIGUSR1, start)
+    signal.signal(signal.SIGUSR2, stop)
+
+
+def main() -> None:
+    settings = Settings()
+    app: Any = create_app(settings)
+    if os.environ.get("EXGRPO_BENCH_TIMING") == "1":
+        _install_sql_timer()
+        if settings.redis_url:
+            _install_redis_timer()
+        app = ServerTiming(app)
+    if path := os.environ.get("EXGRPO_BENCH_PROFILE"):
+        _install_profiler(path)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

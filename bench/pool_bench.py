@@ -1,0 +1,849 @@
+"""Latency, throughput and memory of the experience-pool service at 10k, 100k and 1M questions.
+
+For every backend (``postgres``: Postgres + Redis index; ``sqlite``: SQLite + in-process index)
+and pool size, the benchmark copies a cached seeded database (see ``_seed.py`` for its exact
+shape), starts the real service as a subprocess (``_serve.py``: uvicorn on a free loopback port)
+and talks to it over HTTP with httpx, as a trainer would:
+
+* select: ``POST .../select`` with n = 64 on the seeded state, with all stored trajectories and
+  their payloads, and with ids only (``candidates: none``, the sampling path alone).
+* plan + commit: each step plans a batch (B = 128, experience ratio 0.5, run in the mixed phase,
+  so 64 replayed questions with all their stored trajectories) and commits 128 groups x 8
+  rollouts. Rewards follow a fixed mix (25% of fresh groups all wrong, 8% all right -> retired,
+  the rest 1..7 correct); correct rollouts carry ~1k-token payloads as base64 packed arrays.
+* ingest: ``POST .../ingest`` of 32 graded groups per request from several concurrent producers;
+  throughput = stored trajectories per second.
+* epoch start: the first plan of a brand-new run, which shuffles the whole pool.
+* memory: RSS of the server process (``/proc/<pid>/status``) along the run and its peak.
+
+Every latency is measured by the client around the HTTP call (request encoding excluded, response
+download included). The server adds a ``Server-Timing`` header (time in the app, in SQL, in Redis)
+and the CPU time of the server's threads is read around each request, so the report can tell
+where the time goes even on a busy machine.
+
+    .venv/bin/python bench/pool_bench.py                      # full: both backends, 10k/100k/1M
+    .venv/bin/python bench/pool_bench.py --quick              # 10k only, few iterations (~1-2 min)
+    .venv/bin/python bench/pool_bench.py --markdown bench/out/pool_bench.json   # tables as markdown
+    .venv/bin/python bench/pool_bench.py --clean              # drop the cached seeded databases
+
+Results: tables on stdout and ``bench/out/pool_bench.json``. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _seed
+
+from exgrpo_client import schemas as s
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+CACHE = OUT / "cache"
+SERVE = ROOT / "bench" / "_serve.py"
+GOAL_MS = 100.0
+GOAL_SELECT_GROWTH = 2.0
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.now().strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------- server
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def memory_mb(pid: int) -> dict[str, float]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) / 1024
+    return {"rss": round(out.get("VmRSS", 0.0), 1), "peak": round(out.get("VmHWM", 0.0), 1)}
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    startup_s: float
+    log_path: Path
+    profile_path: Path | None = None
+
+    def memory(self) -> dict[str, float]:
+        return memory_mb(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(env_extra: dict[str, str], log_path: Path, profile_path: Path | None) -> Server:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXGRPO_")}
+    env.update(
+        EXGRPO_ALLOW_ANONYMOUS="true",
+        EXGRPO_HOST="127.0.0.1",
+        EXGRPO_PORT=str(port),
+        EXGRPO_BENCH_TIMING="1",
+        **env_extra,
+    )
+    if profile_path is not None:
+        env["EXGRPO_BENCH_PROFILE"] = str(profile_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen([sys.executable, str(SERVE)], env=env, cwd=ROOT, stdout=logf, stderr=logf)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    with httpx.Client(trust_env=False, timeout=5) as c:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"service exited with {proc.returncode}; see {log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if c.get(f"{url}/readyz").status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"service not ready after 900 s; see {log_path}")
+            time.sleep(0.1)
+    return Server(proc, url, time.perf_counter() - t0, log_path, profile_path)
+
+
+# ------------------------------------------------------------------------------- the client
+@dataclass
+class Sample:
+    ms: float
+    cpu_ms: float | None = None
+    app_ms: float | None = None
+    sql_ms: float | None = None
+    sql_n: int | None = None
+    redis_ms: float | None = None
+    redis_n: int | None = None
+    bytes_out: int = 0
+    bytes_in: int = 0
+
+
+def _server_timing(header: str | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in (header or "").split(","):
+        fields = [f.strip() for f in part.split(";")]
+        name = fields[0]
+        for f in fields[1:]:
+            if f.startswith("dur="):
+                out[f"{name}_ms"] = float(f[4:])
+            elif f.startswith("desc="):
+                out[f"{name}_n"] = float(f[5:].strip('"'))
+    return out
+
+
+def cpu_ms(pid: int) -> float:
+    """CPU time of every thread of a process so far (scheduler nanoseconds, not clock ticks)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e6
+
+
+@dataclass
+class Api:
+    client: httpx.AsyncClient
+    pid: int
+
+
+async def timed_post(
+    api: Api, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[httpx.Response, Sample]:
+    h = {"content-type": "application/json", **(headers or {})}
+    c0 = cpu_ms(api.pid)
+    t0 = time.perf_counter()
+    r = await api.client.post(path, content=body, headers=h)
+    ms = (time.perf_counter() - t0) * 1000
+    cpu = cpu_ms(api.pid) - c0
+    if r.status_code >= 300:
+        raise RuntimeError(f"POST {path} -> {r.status_code}: {r.text[:500]}")
+    st = _server_timing(r.headers.get("server-timing"))
+    sample = Sample(
+        ms=ms,
+        cpu_ms=cpu,
+        app_ms=st.get("app_ms"),
+        sql_ms=st.get("sql_ms"),
+        sql_n=int(st["sql_n"]) if "sql_n" in st else None,
+        redis_ms=st.get("redis_ms"),
+        redis_n=int(st["redis_n"]) if "redis_n" in st else None,
+        bytes_out=len(body),
+        bytes_in=len(r.content),
+    )
+    return r, sample
+
+
+def summarize(samples: list[Sample]) -> dict[str, Any]:
+    if not samples:
+        return {"n": 0}
+    ms = np.array([x.ms for x in samples])
+
+    def med(attr: str) -> float | None:
+        vals = [getattr(x, attr) for x in samples if getattr(x, attr) is not None]
+        return round(float(np.median(vals)), 2) if vals else None
+
+    return {
+        "n": len(samples),
+        "p50_ms": round(float(np.percentile(ms, 50)), 2),
+        "p99_ms": round(float(np.percentile(ms, 99)), 2),
+        "mean_ms": round(float(ms.mean()), 2),
+        "max_ms": round(float(ms.max()), 2),
+        "server_cpu_mean_ms": round(float(np.mean([x.cpu_ms for x in samples if x.cpu_ms is not None])), 2),
+        "server_app_p50_ms": med("app_ms"),
+        "server_sql_p50_ms": med("sql_ms"),
+        "server_sql_statements_p50": med("sql_n"),
+        "server_redis_p50_ms": med("redis_ms"),
+        "server_redis_calls_p50": med("redis_n"),
+        "request_bytes_p50": med("bytes_out"),
+        "response_bytes_p50": med("bytes_in"),
+        "samples_ms": [round(float(x), 1) for x in ms],
+    }
+
+
+class Trainer:
+    """Builds commit and ingest bodies the way a trainer / producer would send them."""
+
+    def __init__(self, seed: int, k: int = 8, tokens: tuple[int, int] = (512, 1536)) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.k = k
+        self.tokens = tokens
+        # fresh groups: P(0 correct) = 0.25, P(K correct) = 0.08, 1..K-1 share the rest
+        self.fresh_p = np.array([0.25] + [0.67 / (k - 1)] * (k - 1) + [0.08])
+        # replayed groups: the stored (correct) trajectory + K-1 new rollouts, of which j correct
+        self.replay_p = np.array([0.15] + [0.77 / (k - 2)] * (k - 2) + [0.08])
+
+    def payload(self) -> tuple[str, str]:
+        n = int(self.rng.integers(self.tokens[0], self.tokens[1] + 1))
+        ids = self.rng.integers(0, _seed.VOCAB, size=n, dtype=np.int32).astype("<i4")
+        lps = (-self.rng.exponential(0.6, size=n)).astype("<f4")
+        return base64.b64encode(ids.tobytes()).decode(), base64.b64encode(lps.tobytes()).decode()
+
+    def rollout(self, correct: bool, replayed: bool = False) -> dict[str, Any]:
+        r: dict[str, Any] = {
+            "reward": 1.0 if correct else 0.0,
+            "entropy": round(float(self.rng.uniform(0.05, 1.5)), 4),
+        }
+        if replayed:
+            r["replayed"] = True
+        elif correct:
+            r["token_ids_b64"], r["logprobs_b64"] = self.payload()
+            r["finish_reason"] = "stop"
+        else:
+            r["finish_reason"] = "stop" if self.rng.random() < 0.8 else "length"
+        return r
+
+    def fresh_group(self, qid: int) -> dict[str, Any]:
+        c = int(self.rng.choice(self.k + 1, p=self.fresh_p))
+        return {"question_id": qid, "rollouts": [self.rollout(i < c) for i in range(self.k)]}
+
+    def replay_group(self, qid: int, trajectory_id: int | None) -> dict[str, Any]:
+        j = int(self.rng.choice(self.k, p=self.replay_p))
+        rollouts = [self.rollout(True, replayed=True)] + [self.rollout(i < j) for i in range(self.k - 1)]
+        g: dict[str, Any] = {"question_id": qid, "rollouts": rollouts}
+        if trajectory_id is not None:
+            g["replay_trajectory_id"] = trajectory_id
+        return g
+
+    def commit_body(self, plan: dict[str, Any]) -> bytes:
+        groups = [self.fresh_group(f["question_id"]) for f in plan["fresh"]]
+        for r in plan["replay"]:
+            cands = r["candidates"]
+            best = (
+                min(cands, key=lambda c: c["entropy"] if c["entropy"] is not None else 0.0) if cands else None
+            )
+            groups.append(self.replay_group(r["question_id"], best["id"] if best else None))
+        return json.dumps({"groups": groups, "metrics": {"train/loss": 0.1}}).encode()
+
+    def ingest_body(self, qids: list[int]) -> bytes:
+        groups = [self.fresh_group(q) for q in qids]
+        return json.dumps({"groups": groups, "policy_version": 1}).encode()
+
+
+def _check_packing() -> None:
+    """The numpy packing used here is byte-for-byte the SDK's pack_ids / pack_logprobs."""
+    ids, lps = [1, 150_999, 7, 0], [-0.5, -1.25, 0.0, -3.0]
+    assert base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode() == s.pack_ids(ids)
+    assert base64.b64encode(np.asarray(lps, dtype="<f4").tobytes()).decode() == s.pack_logprobs(lps)
+
+
+# ------------------------------------------------------------------------------ measurement
+@dataclass
+class Options:
+    iterations: int
+    warmup: int
+    select_iterations: int
+    ingest_requests: int
+    ingest_groups: int
+    ingest_concurrency: int
+    epoch_starts: int
+    candidates: str
+    idempotency_keys: bool
+    profile: bool
+    pg_dsn: str
+    redis_url: str
+
+
+@dataclass
+class Combo:
+    backend: str
+    size: int
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+async def plan_commit(
+    api: Api, trainer: Trainer, prefix: str, opts: Options
+) -> tuple[Sample, Sample, dict[str, Any], dict[str, Any]]:
+    idem = (lambda: {"Idempotency-Key": uuid.uuid4().hex}) if opts.idempotency_keys else dict
+    body = json.dumps({"candidates": opts.candidates}).encode()
+    r, plan_s = await timed_post(api, f"{prefix}/runs/{_seed.RUN_NAME}/batches", body, idem())
+    plan = r.json()
+    commit_body = trainer.commit_body(plan)
+    r, commit_s = await timed_post(api, f"{prefix}/batches/{plan['id']}/commit", commit_body, idem())
+    return plan_s, commit_s, plan, r.json()
+
+
+async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
+    res = combo.result
+    prefix = f"/v1/pools/{_seed.POOL_NAME}"
+    trainer = Trainer(seed=combo.size)
+    memory: dict[str, dict[str, float]] = {"after_start": server.memory()}
+    async with httpx.AsyncClient(base_url=server.url, timeout=300, trust_env=False) as client:
+        api = Api(client, server.proc.pid)
+        # replay-only selection, on the seeded state (same shape at every pool size): with the
+        # stored trajectories (the payload dominates), and ids only (the sampling path alone)
+        for key, mode in (("select", opts.candidates), ("select_ids", "none")):
+            sel: list[Sample] = []
+            for i in range(opts.warmup + opts.select_iterations):
+                body = json.dumps({"n": 64, "seed": 1000 + i, "candidates": mode}).encode()
+                _, smp = await timed_post(api, f"{prefix}/runs/{_seed.RUN_NAME}/select", body)
+                if i >= opts.warmup:
+                    sel.append(smp)
+            res[key] = {**summarize(sel), "candidates": mode}
+        memory["after_select"] = server.memory()
+
+        # plan + commit (the first plan after start also loads the run's epoch order)
+        first: dict[str, float] = {}
+        for i in range(opts.warmup):
+            p, c, _, _ = await plan_commit(api, trainer, prefix, opts)
+            if i == 0:
+                first = {"plan_ms": round(p.ms, 2), "commit_ms": round(c.ms, 2)}
+        res["first_after_start"] = first
+
+        plans, commits = [], []
+        replays, stored, retired, eligible = [], [], [], []
+        rss_trace: list[float] = []
+        t0 = time.perf_counter()
+        for i in range(opts.iterations):
+            p, c, plan, result = await plan_commit(api, trainer, prefix, opts)
+            plans.append(p)
+            commits.append(c)
+            replays.append(len(plan["replay"]))
+            eligible.append(plan["num_eligible"])
+            stored.append(result["stored_trajectories"])
+            retired.append(result["retired"])
+            if (i + 1) % 10 == 0:
+                rss_trace.append(server.memory()["rss"])
+            if (i + 1) % 20 == 0:
+                log(f"    {combo.backend} {combo.size}: {i + 1}/{opts.iterations} plan+commit")
+        res["plan"] = summarize(plans)
+        res["commit"] = summarize(commits)
+        res["steps"] = {
+            "iterations": opts.iterations,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "replayed_per_plan_mean": round(float(np.mean(replays)), 1),
+            "eligible_at_plan_mean": round(float(np.mean(eligible)), 1),
+            "stored_per_commit_mean": round(float(np.mean(stored)), 1),
+            "retired_per_commit_mean": round(float(np.mean(retired)), 1),
+            "rss_mb_every_10_steps": rss_trace,
+        }
+        memory["after_plan_commit"] = server.memory()
+
+        if opts.profile and server.profile_path is not None:
+            server.proc.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(0.2)
+            for _ in range(10):
+                await plan_commit(api, trainer, prefix, opts)
+            server.proc.send_signal(signal.SIGUSR2)
+            await asyncio.sleep(1.0)
+            res["profile"] = str(server.profile_path)
+
+        # ingest throughput: all bodies are built before the clock starts
+        rng = np.random.default_rng([combo.size, 9])
+        bodies = [
+            trainer.ingest_body(
+                [int(q) + 1 for q in rng.choice(combo.size, size=opts.ingest_groups, replace=False)]
+            )
+            for _ in range(opts.ingest_requests)
+        ]
+        sem = asyncio.Semaphore(opts.ingest_concurrency)
+        ing: list[Sample] = []
+        stored_total = 0
+
+        async def one(b: bytes) -> None:
+            nonlocal stored_total
+            async with sem:
+                r, smp = await timed_post(api, f"{prefix}/runs/{_seed.RUN_NAME}/ingest", b)
+            ing.append(smp)
+            stored_total += r.json()["stored_trajectories"]
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(b) for b in bodies))
+        wall = time.perf_counter() - t0
+        res["ingest"] = {
+            **summarize(ing),
+            "requests": opts.ingest_requests,
+            "groups_per_request": opts.ingest_groups,
+            "concurrency": opts.ingest_concurrency,
+            "stored_trajectories": stored_total,
+            "seconds": round(wall, 2),
+            "trajectories_per_s": round(stored_total / wall, 1),
+            "payload_mb_per_s": round(sum(len(b) for b in bodies) / wall / 1e6, 1),
+        }
+        memory["after_ingest"] = server.memory()
+
+        # epoch start: the first plan of a brand-new run shuffles every active question of the pool
+        starts: list[Sample] = []
+        for i in range(opts.epoch_starts):
+            name = f"cold-{i}-{uuid.uuid4().hex[:6]}"
+            body = json.dumps({"name": name, "seed": 7 + i}).encode()
+            await timed_post(api, f"{prefix}/runs", body)
+            _, smp = await timed_post(api, f"{prefix}/runs/{name}/batches", json.dumps({}).encode())
+            starts.append(smp)
+        res["epoch_start_plan"] = summarize(starts)
+        memory["end"] = server.memory()
+    res["memory_mb"] = memory
+    res["rss_end_mb"] = memory["end"]["rss"]
+    res["rss_peak_mb"] = max(m["peak"] for m in memory.values())
+
+
+async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> Combo:
+    combo = Combo(backend, size)
+    shape = _seed.Shape(questions=size)
+    res = combo.result
+    res["shape"] = {**shape.describe(), **_seed.layout(shape).stats}
+    tag = f"{backend}-{size}"
+    log_path = OUT / "logs" / f"server-{tag}.log"
+    profile_path = OUT / f"profile-{tag}.pstats" if opts.profile else None
+    redis_prefix = f"exgrpo-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    work_db = f"exgrpo_bench_work_{os.getpid()}"
+    work_file = OUT / "work" / f"sqlite-{size}.db"
+    env: dict[str, str]
+    server: Server | None = None
+    try:
+        if backend == "sqlite":
+            seed_file = CACHE / f"sqlite-{size}.db"
+            if fresh_seed or not _seed.sqlite_cache_ok(shape, seed_file):
+                log(f"  seeding sqlite {size} (not cached)")
+                res["seed_s"] = round(await asyncio.to_thread(_seed.seed_sqlite, shape, seed_file, log), 1)
+            else:
+                res["seed_s"] = "cached"
+            res["db_bytes"] = seed_file.stat().st_size
+            res["copy_s"] = round(_seed.copy_sqlite(seed_file, work_file), 1)
+            env = {"EXGRPO_DATABASE_URL": f"sqlite+aiosqlite:///{work_file}"}
+        else:
+            seed_db = f"exgrpo_bench_seed_{size}"
+            if fresh_seed or not await _seed.pg_cache_ok(shape, opts.pg_dsn, seed_db):
+                log(f"  seeding postgres {size} (not cached)")
+                res["seed_s"] = round(await _seed.seed_postgres(shape, opts.pg_dsn, seed_db, log), 1)
+            else:
+                res["seed_s"] = "cached"
+            res["copy_s"] = round(await _seed.copy_postgres(opts.pg_dsn, seed_db, work_db), 1)
+            res["db_bytes"] = await _pg_size(opts.pg_dsn, work_db)
+            env = {
+                "EXGRPO_DATABASE_URL": _seed.pg_url(opts.pg_dsn, work_db, driver=True),
+                "EXGRPO_REDIS_URL": opts.redis_url,
+                "EXGRPO_REDIS_PREFIX": redis_prefix,
+            }
+        log(f"  {tag}: starting service")
+        server = await asyncio.to_thread(start_server, env, log_path, profile_path)
+        res["startup_s"] = round(server.startup_s, 2)
+        log(f"  {tag}: ready in {server.startup_s:.1f}s, measuring")
+        res["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
+        await run_workload(server, opts, combo)
+        res["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    finally:
+        if server is not None:
+            server.stop()
+        if backend == "sqlite":
+            for p in (work_file, Path(f"{work_file}-wal"), Path(f"{work_file}-shm")):
+                p.unlink(missing_ok=True)
+        else:
+            with contextlib.suppress(Exception):
+                await _seed.pg_admin(opts.pg_dsn, f"DROP DATABASE IF EXISTS {work_db} WITH (FORCE)")
+            _redis_cleanup(opts.redis_url, redis_prefix)
+    if opts.profile and profile_path is not None and profile_path.exists():
+        _profile_report(profile_path, OUT / f"profile-{tag}.txt")
+    return combo
+
+
+async def _pg_size(dsn: str, database: str) -> int:
+    import asyncpg
+
+    conn = await asyncpg.connect(_seed.pg_url(dsn, "postgres"))
+    try:
+        return int(await conn.fetchval("SELECT pg_database_size($1)", database))
+    finally:
+        await conn.close()
+
+
+def _redis_cleanup(url: str, prefix: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    try:
+        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+        for i in range(0, len(keys), 1000):
+            r.delete(*keys[i : i + 1000])
+    finally:
+        r.close()
+
+
+def _profile_report(stats_path: Path, out: Path) -> None:
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    st = pstats.Stats(str(stats_path), stream=buf)
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(40)
+    out.write_text(buf.getvalue())
+
+
+# ----------------------------------------------------------------------------------- report
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+    return str(v)
+
+
+def goals(combos: list[Combo]) -> list[dict[str, Any]]:
+    out = []
+    for backend in sorted({c.backend for c in combos}):
+        mine = sorted((c for c in combos if c.backend == backend), key=lambda c: c.size)
+        big, small = mine[-1], mine[0]
+        for what in ("plan", "commit"):
+            p99 = big.result[what]["p99_ms"]
+            out.append(
+                {
+                    "backend": backend,
+                    "goal": f"{what} p99 < {GOAL_MS:.0f} ms at {big.size:,} questions",
+                    "value": f"{p99:.1f} ms",
+                    "met": p99 < GOAL_MS,
+                }
+            )
+        if big.size != small.size:
+            for sel, q in [(a, b) for a in ("select", "select_ids") for b in ("p50_ms", "p99_ms")]:
+                ratio = big.result[sel][q] / small.result[sel][q]
+                out.append(
+                    {
+                        "backend": backend,
+                        "goal": f"{sel} {q[:3]} growth {small.size:,} -> {big.size:,} "
+                        f"< {GOAL_SELECT_GROWTH:.0f}x",
+                        "value": f"{ratio:.2f}x",
+                        "met": ratio < GOAL_SELECT_GROWTH,
+                    }
+                )
+    return out
+
+
+def print_table(combos: list[Combo], goal_rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="experience-pool service (latencies in ms, client side over HTTP)")
+    cols = [
+        "backend", "questions", "eligible", "traj", "plan p50", "plan p99", "commit p50", "commit p99",
+        "select p50", "select p99", "ids p50", "ids p99", "ingest traj/s", "RSS MB", "peak MB",
+        "epoch start", "startup s",
+    ]  # fmt: skip
+    for c in cols:
+        t.add_column(c, justify="left" if c == "backend" else "right")
+    for c in combos:
+        r = c.result
+        t.add_row(
+            c.backend,
+            f"{c.size:,}",
+            f"{r['shape']['eligible']:,}",
+            f"{r['shape']['trajectories']:,}",
+            _fmt(r["plan"]["p50_ms"]),
+            _fmt(r["plan"]["p99_ms"]),
+            _fmt(r["commit"]["p50_ms"]),
+            _fmt(r["commit"]["p99_ms"]),
+            _fmt(r["select"]["p50_ms"]),
+            _fmt(r["select"]["p99_ms"]),
+            _fmt(r["select_ids"]["p50_ms"]),
+            _fmt(r["select_ids"]["p99_ms"]),
+            _fmt(r["ingest"]["trajectories_per_s"]),
+            _fmt(r["rss_end_mb"]),
+            _fmt(r["rss_peak_mb"]),
+            _fmt(r["epoch_start_plan"]["p50_ms"]),
+            _fmt(r["startup_s"]),
+        )
+    b = Table(
+        title="where the time goes: p50 ms (client = HTTP round trip, cpu = mean CPU ms of the service "
+        "process per request, app = time inside the service)"
+    )
+    for c in [
+        "backend",
+        "questions",
+        "what",
+        "client",
+        "cpu",
+        "app",
+        "sql",
+        "sql stmts",
+        "redis",
+        "req KB",
+        "resp KB",
+    ]:
+        b.add_column(c, justify="left" if c in ("backend", "what") else "right")
+    for c in combos:
+        for what in ("plan", "commit", "select", "select_ids", "ingest"):
+            x = c.result[what]
+            b.add_row(
+                c.backend,
+                f"{c.size:,}",
+                what,
+                _fmt(x["p50_ms"]),
+                _fmt(x["server_cpu_mean_ms"]),
+                _fmt(x["server_app_p50_ms"]),
+                _fmt(x["server_sql_p50_ms"]),
+                _fmt(x["server_sql_statements_p50"]),
+                _fmt(x["server_redis_p50_ms"]),
+                _fmt((x["request_bytes_p50"] or 0) / 1024),
+                _fmt((x["response_bytes_p50"] or 0) / 1024),
+            )
+    g = Table(title="goals")
+    for col in ("backend", "goal", "value", "met"):
+        g.add_column(col)
+    for row in goal_rows:
+        g.add_row(row["backend"], row["goal"], row["value"], "yes" if row["met"] else "NO")
+    console = Console(width=200)
+    console.print(t)
+    console.print(b)
+    console.print(g)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The tables of docs/benchmarks.md, from a result file."""
+    rows = doc["results"]
+
+    def f(v: Any) -> str:
+        return "-" if v is None else (f"{v:,.0f}" if v >= 100 else f"{v:.1f}")
+
+    out = [
+        "| backend | questions | eligible | trajectories | plan p50 | plan p99 | commit p50 | commit p99 "
+        "| select p50 | select p99 | select ids p50 | select ids p99 | ingest traj/s | RSS MB (peak) "
+        "| epoch start |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['backend']} | {r['questions']:,} | {r['shape']['eligible']:,} "
+            f"| {r['shape']['trajectories']:,} "
+            f"| {f(r['plan']['p50_ms'])} | {f(r['plan']['p99_ms'])} | {f(r['commit']['p50_ms'])} "
+            f"| {f(r['commit']['p99_ms'])} | {f(r['select']['p50_ms'])} | {f(r['select']['p99_ms'])} "
+            f"| {f(r['select_ids']['p50_ms'])} | {f(r['select_ids']['p99_ms'])} "
+            f"| {f(r['ingest']['trajectories_per_s'])} | {f(r['rss_end_mb'])} ({f(r['rss_peak_mb'])}) "
+            f"| {f(r['epoch_start_plan']['p50_ms'])} |"
+        )
+    out += [
+        "",
+        "| backend | questions | request | client p50 | service CPU / request | in service p50 | SQL p50 "
+        "| SQL statements | Redis p50 | request KB | response KB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        for what in ("plan", "commit", "select", "select_ids", "ingest"):
+            x = r[what]
+            out.append(
+                f"| {r['backend']} | {r['questions']:,} | {what} | {f(x['p50_ms'])} "
+                f"| {f(x['server_cpu_mean_ms'])} | {f(x['server_app_p50_ms'])} | {f(x['server_sql_p50_ms'])} "
+                f"| {f(x['server_sql_statements_p50'])} "
+                f"| {f(x['server_redis_p50_ms'])} | {f((x['request_bytes_p50'] or 0) / 1024)} "
+                f"| {f((x['response_bytes_p50'] or 0) / 1024)} |"
+            )
+    out += ["", "| backend | goal | value | met |", "|---|---|---:|---|"]
+    out += [
+        f"| {g['backend']} | {g['goal']} | {g['value']} | {'yes' if g['met'] else 'no'} |"
+        for g in doc["goals"]
+    ]
+    loads = [x for r in rows for x in (r["loadavg_before"][0], r["loadavg_after"][0])]
+    out += [
+        "",
+        f"Load average (1 min) during the run: {min(loads):.1f} to {max(loads):.1f} "
+        f"on {doc['environment']['cpus']} CPUs.",
+    ]
+    return "\n".join(out)
+
+
+def environment() -> dict[str, Any]:
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *a], cwd=ROOT, capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git_commit": git("rev-parse", "--short", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--", "services", "clients")),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "argv": sys.argv[1:],
+        "service_package": _service_path(),
+    }
+
+
+def _service_path() -> str:
+    import exgrpo_pool
+
+    return str(Path(exgrpo_pool.__file__).resolve().parent)
+
+
+# ------------------------------------------------------------------------------------- main
+async def clean(opts: Options) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(_seed.pg_url(opts.pg_dsn, "postgres"))
+    try:
+        names = [
+            r[0]
+            for r in await conn.fetch("SELECT datname FROM pg_database WHERE datname LIKE 'exgrpo_bench_%'")
+        ]
+    finally:
+        await conn.close()
+    for name in names:
+        await _seed.pg_admin(opts.pg_dsn, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        log(f"dropped database {name}")
+    for p in sorted(CACHE.glob("sqlite-*")) + sorted((OUT / "work").glob("sqlite-*")):
+        p.unlink()
+        log(f"removed {p}")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="sqlite,postgres", help="comma list of sqlite, postgres")
+    ap.add_argument("--sizes", default="10000,100000,1000000", help="comma list of pool sizes (questions)")
+    ap.add_argument("--iterations", type=int, default=None, help="plan+commit steps measured per size (60)")
+    ap.add_argument("--select-iterations", type=int, default=None, help="select calls measured per size (60)")
+    ap.add_argument("--quick", action="store_true", help="10k questions only, few iterations (~1-2 min)")
+    ap.add_argument("--candidates", default="all", choices=["all", "lowest_stored_entropy", "none"])
+    ap.add_argument(
+        "--no-idempotency-keys", action="store_true", help="send plan/commit without Idempotency-Key"
+    )
+    ap.add_argument("--ingest-requests", type=int, default=None, help="ingest requests per size (40)")
+    ap.add_argument("--ingest-concurrency", type=int, default=4)
+    ap.add_argument("--profile", action="store_true", help="cProfile 10 extra plan+commit steps per size")
+    ap.add_argument("--reseed", action="store_true", help="rebuild the seeded databases even if cached")
+    ap.add_argument("--clean", action="store_true", help="drop cached seeded databases and exit")
+    ap.add_argument(
+        "--pg-dsn", default=os.environ.get("BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432")
+    )
+    ap.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    ap.add_argument("--out", type=Path, default=OUT / "pool_bench.json")
+    ap.add_argument(
+        "--markdown", type=Path, metavar="RESULT_JSON", help="print a result file as markdown and exit"
+    )
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    quick = args.quick
+    opts = Options(
+        iterations=args.iterations or (15 if quick else 60),
+        warmup=2 if quick else 3,
+        select_iterations=args.select_iterations or (15 if quick else 60),
+        ingest_requests=args.ingest_requests or (8 if quick else 40),
+        ingest_groups=32,
+        ingest_concurrency=args.ingest_concurrency,
+        epoch_starts=1 if quick else 3,
+        candidates=args.candidates,
+        idempotency_keys=not args.no_idempotency_keys,
+        profile=args.profile,
+        pg_dsn=args.pg_dsn,
+        redis_url=args.redis_url,
+    )
+    if args.clean:
+        asyncio.run(clean(opts))
+        return 0
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return 0
+    _check_packing()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    sizes = [10_000] if quick else [int(x) for x in args.sizes.split(",")]
+    for b in backends:
+        if b not in ("sqlite", "postgres"):
+            raise SystemExit(f"unknown backend {b!r}: use sqlite and/or postgres")
+    OUT.mkdir(parents=True, exist_ok=True)
+    combos: list[Combo] = []
+    t0 = time.perf_counter()
+    for backend in backends:
+        for size in sizes:
+            log(f"{backend} {size:,} questions")
+            combos.append(asyncio.run(measure(backend, size, opts, args.reseed)))
+            r = combos[-1].result
+            log(
+                f"  {backend} {size:,}: plan p50/p99 {r['plan']['p50_ms']:.1f}/{r['plan']['p99_ms']:.1f} ms, "
+                f"commit {r['commit']['p50_ms']:.1f}/{r['commit']['p99_ms']:.1f} ms, "
+                f"select {r['select']['p50_ms']:.1f}/{r['select']['p99_ms']:.1f} ms, "
+                f"ingest {r['ingest']['trajectories_per_s']:.0f} traj/s, RSS {r['rss_end_mb']:.0f} MB"
+            )
+    goal_rows = goals(combos)
+    doc = {
+        "environment": environment(),
+        "options": opts.__dict__,
+        "total_seconds": round(time.perf_counter() - t0, 1),
+        "results": [{"backend": c.backend, "questions": c.size, **c.result} for c in combos],
+        "goals": goal_rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2))
+    print_table(combos, goal_rows)
+    print(f"\nwrote {args.out} ({doc['total_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
