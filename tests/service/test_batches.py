@@ -406,3 +406,18 @@ async def test_first_step_of_a_new_pool_needs_enough_questions(client: httpx.Asy
     await create_run(client)
     r = await client.post("/v1/pools/p1/runs/r1/batches", json={})
     assert r.status_code == 409 and "fewer than the batch size" in r.json()["detail"]
+
+
+async def test_plan_retried_with_its_idempotency_key_replays_the_same_plan(client: httpx.AsyncClient) -> None:
+    await setup_pool(client)
+    headers = {"Idempotency-Key": "plan-step-1"}
+    first = await client.post("/v1/pools/p1/runs/r1/batches", json={}, headers=headers)
+    assert first.status_code == 201 and "Idempotent-Replayed" not in first.headers
+    again = await client.post("/v1/pools/p1/runs/r1/batches", json={}, headers=headers)
+    assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert again.json()["id"] == first.json()["id"]
+    assert [f["question_id"] for f in again.json()["fresh"]] == [
+        f["question_id"] for f in first.json()["fresh"]
+    ]
+    other = await client.post("/v1/pools/p1/runs/r1/batches", json={"replan": True}, headers=headers)
+    assert other.status_code == 422 and "different request" in other.json()["detail"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Path, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from exgrpo_pool.errors import BadRequest, Forbidden, Unauthorized
@@ -117,10 +117,17 @@ class Idempotency:
         return f"{self.ctx.settings.redis_prefix}:idem:{self.principal.name}:{self.key}"
 
     async def run(
-        self, fn: Callable[[], Awaitable[BaseModel | dict[str, Any]]], status_code: int = 200
+        self,
+        fn: Callable[[], Awaitable[BaseModel | dict[str, Any]]],
+        status_code: int = 200,
+        *,
+        reference: Callable[[Any], dict[str, Any]] | None = None,
+        resolve: Callable[[dict[str, Any]], Awaitable[BaseModel]] | None = None,
     ) -> Any:
+        """`reference`/`resolve`: remember a small reference instead of a large response body (a
+        batch plan), and rebuild the response from it on a replay."""
         if self.key is None:
-            return JSONResponse(_dump(await fn()), status_code=status_code)
+            return _response(await fn(), status_code)
         body = await self.request.body()
         route = f"{self.request.method} {self.request.url.path}"
         digest = hashlib.sha256(route.encode() + b"\n" + body).hexdigest()
@@ -128,13 +135,16 @@ class Idempotency:
         if cached is not None:
             if cached["request_hash"] != digest:
                 raise BadRequest("this Idempotency-Key was used for a different request; use a new key")
-            return JSONResponse(
-                cached["response"], status_code=cached["status_code"], headers={"Idempotent-Replayed": "true"}
-            )
-        content = _dump(await fn())
-        record = {"request_hash": digest, "status_code": status_code, "response": content, "route": route}
+            headers = {"Idempotent-Replayed": "true"}
+            if resolve is not None and "ref" in cached["response"]:
+                return _response(await resolve(cached["response"]["ref"]), cached["status_code"], headers)
+            return JSONResponse(cached["response"], status_code=cached["status_code"], headers=headers)
+        result = await fn()
+        response = _response(result, status_code)
+        stored = {"ref": reference(result)} if reference is not None else json.loads(response.body)
+        record = {"request_hash": digest, "status_code": status_code, "response": stored, "route": route}
         await self._store(record)
-        return JSONResponse(content, status_code=status_code)
+        return response
 
     async def _lookup(self) -> dict[str, Any] | None:
         if self.ctx.redis is not None:
@@ -160,5 +170,12 @@ class Idempotency:
 IdempotencyDep = Annotated[Idempotency, Depends(Idempotency)]
 
 
-def _dump(obj: BaseModel | dict[str, Any]) -> Any:
-    return obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj
+def _response(
+    obj: BaseModel | dict[str, Any], status_code: int, headers: dict[str, str] | None = None
+) -> Any:
+    if isinstance(obj, BaseModel):
+        # pydantic-core writes the JSON directly: ~4x faster than json.dumps(model_dump()) on a
+        # multi-megabyte batch plan
+        body = obj.model_dump_json()
+        return Response(body, status_code=status_code, media_type="application/json", headers=headers)
+    return JSONResponse(obj, status_code=status_code, headers=headers)

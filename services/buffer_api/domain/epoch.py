@@ -31,6 +31,15 @@ def _check_int(value: object, what: str, minimum: int) -> int:
     return int(value)
 
 
+def _sorted_unique(ids: np.ndarray) -> np.ndarray:
+    """``np.unique`` by sorting: numpy 2.4's hash-based ``np.unique`` takes ~2 s for 1M int64 ids,
+    sorting takes ~30 ms."""
+    ids = np.sort(ids)
+    if ids.size > 1:
+        ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]
+    return ids
+
+
 def epoch_order(active_ids: np.ndarray, *, seed: int, epoch: int) -> np.ndarray:
     """Deterministic shuffle (``int64``) of the active ids for one epoch.
 
@@ -63,12 +72,12 @@ def refresh_active(
     previous active set is kept, or all ids when there is none yet. The result is a sorted ``int64``
     array without duplicates (``previous_active`` is returned sorted and de-duplicated as well).
     """
-    everything = np.unique(_id_array(all_ids, "all_ids"))
-    candidate = np.setdiff1d(everything, _id_array(retired, "retired"), assume_unique=False)
+    everything = _sorted_unique(_id_array(all_ids, "all_ids"))
+    candidate = everything[~np.isin(everything, _id_array(retired, "retired"))]
     if candidate.size > rules.batch_size + rules.active_refresh_margin:
         return candidate.astype(np.int64, copy=False)
     if previous_active is not None:
-        return np.unique(_id_array(previous_active, "previous_active"))
+        return _sorted_unique(_id_array(previous_active, "previous_active"))
     return everything
 
 

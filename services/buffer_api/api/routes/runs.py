@@ -75,7 +75,12 @@ async def list_policy_versions(run: str, pool: ReadPool, ctx: ContextDep) -> s.P
 async def plan_batch(
     run: str, body: s.BatchCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
 ) -> object:
-    return await idem.run(lambda: batches.plan_batch(ctx, pool, run, body), status_code=201)
+    return await idem.run(
+        lambda: batches.plan_batch(ctx, pool, run, body),
+        status_code=201,
+        reference=lambda plan: {"batch_id": plan.id},
+        resolve=lambda ref: batches.get_batch_plan(ctx, pool, ref["batch_id"]),
+    )
 
 
 @router.post("/{run}/ingest", response_model=s.CommitResult)
