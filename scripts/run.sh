@@ -4,5 +4,5 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
-ensure_venv "server"
+ensure_venv "server,train,rollout"
 exec "$VENV/bin/exgrpo" run "$@"
