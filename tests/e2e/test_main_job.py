@@ -1,0 +1,52 @@
+"""The README's main job, quick variant, end to end: `exgrpo run --quick` in a fresh folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_quick_main_job_runs_end_to_end(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "exgrpo_cli.main", "run", "--quick", "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "eval.jsonl",
+        "report.md",
+        "summary.json",
+        "pool.db",
+        "data/train.parquet",
+        "data/heldout.parquet",
+        "plots/accuracy.png",
+        "plots/buckets.png",
+        "plots/pool.png",
+    ):
+        assert (out / name).exists(), name
+    summary = json.loads((out / "summary.json").read_text())
+    evals = summary["heldout_accuracy"]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] > 0
+    assert all(0.0 <= e["accuracy"] <= 1.0 for e in evals)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) == evals[-1]["step"]
+    # the pool is in the run folder and records the run's progress and the posted curves
+    db = sqlite3.connect(out / "pool.db")
+    ((run_step,),) = db.execute("select step from run where name = 'exgrpo'").fetchall()
+    assert run_step == len(steps)
+    curves = db.execute("select count(*) from run_metric").fetchone()[0]
+    assert curves >= len(steps)
+    assert "held-out accuracy" in proc.stderr and str(out) in proc.stderr
+    assert "exgrpo serve" in proc.stderr
