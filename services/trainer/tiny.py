@@ -18,13 +18,23 @@ CHAT_TEMPLATE = (
 )
 
 
+def _byte_level(ch: str) -> str:
+    """`ch` as the byte-level alphabet writes it (printable ASCII is itself, " " is "Ġ", "\n" "Ċ")."""
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(ch)[0][0]
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character of `CHARS`, plus the special tokens.
+
+    It is a byte-level BPE without merges: `AutoTokenizer` reloads a saved Qwen2 folder as a
+    `Qwen2Tokenizer`, which rebuilds the pipeline as byte-level BPE from the saved vocabulary, so the
+    vocabulary is written in the byte-level alphabet and the reloaded tokenizer gives the same ids."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
     for ch in CHARS:
-        vocab.setdefault(ch, len(vocab))
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    core.decoder = decoders.Fuse()
+        vocab.setdefault(_byte_level(ch), len(vocab))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token="<pad>",
