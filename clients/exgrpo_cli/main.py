@@ -27,7 +27,7 @@ import yaml
 from pydantic import ValidationError
 
 from exgrpo_cli import _render as render
-from exgrpo_cli import rollout_cmds
+from exgrpo_cli import model_cmds, rollout_cmds
 from exgrpo_client import Client
 from exgrpo_client.errors import ExgrpoError
 from exgrpo_client.io import count_rows, read_questions
@@ -48,6 +48,7 @@ app.add_typer(pool_app, name="pool")
 app.add_typer(questions_app, name="questions")
 app.add_typer(db_app, name="db")
 rollout_cmds.register(app)
+model_cmds.register(app)
 
 
 @dataclass
