@@ -241,5 +241,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ValueError(f"{file}: not valid YAML ({' '.join(str(e).split())})") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"{file}: expected a mapping of sections at the top level")
-        data = loaded or {}
+        data = dict(loaded or {})
+        data.pop("job", None)  # a recipe's `job:` section is read by the main job, not the trainer
     return TrainConfig.model_validate(apply_overrides(data, overrides or []))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,11 @@ def run_main_job(opts: MainJobOptions) -> Path:
 
     console = Console(stderr=True)
     started = time.perf_counter()
+    if "OMP_NUM_THREADS" not in os.environ and (os.cpu_count() or 1) <= 2:
+        import torch
+
+        # a model this small runs many times slower with two threads on two shared cores
+        torch.set_num_threads(1)
     out = (opts.out or Path("exgrpo-data/runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     recipe_path, job = _recipe(opts)
