@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import ast
 import sys
 from pathlib import Path
+
+from _imports import imported_top_level_names
 
 import exgrpo_trainer.algo as algo
 
@@ -14,26 +15,12 @@ EXPECTED_MODULES = {"__init__", "advantages", "loss", "metrics", "rollout_rows",
 IO_MODULES = {"io", "os", "pathlib", "shutil", "socket", "subprocess", "urllib", "http", "tempfile", "pickle"}
 
 
-def _imports(source: str) -> tuple[set[str], list[int]]:
-    names: set[str] = set()
-    levels: list[int] = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                levels.append(node.level)
-            elif node.module is not None:
-                names.add(node.module.split(".")[0])
-    return names, levels
-
-
 def test_algo_modules_import_only_stdlib_numpy_and_torch() -> None:
     files = sorted(ALGO_DIR.glob("*.py"))
     assert {f.stem for f in files} >= EXPECTED_MODULES
     for path in files:
         source = path.read_text(encoding="utf-8")
-        names, levels = _imports(source)
+        names, levels = imported_top_level_names(source)
         assert names <= ALLOWED, f"{path.name} imports {sorted(names - ALLOWED)}"
         assert not names & IO_MODULES, f"{path.name} imports I/O modules {sorted(names & IO_MODULES)}"
         assert all(level == 1 for level in levels), f"{path.name} imports from outside the algo package"

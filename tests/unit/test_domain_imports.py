@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import ast
 import sys
 from pathlib import Path
+
+from _imports import imported_top_level_names
 
 import exgrpo_pool.domain as domain
 
 DOMAIN_DIR = Path(domain.__file__).parent
 ALLOWED = set(sys.stdlib_module_names) | {"numpy"}
 EXPECTED_MODULES = {"__init__", "rules", "buckets", "sampler", "collection", "composition", "epoch"}
-
-
-def imported_top_level_names(source: str) -> tuple[set[str], list[int]]:
-    """Absolute top-level module names imported by ``source``, and the levels of relative imports."""
-    names: set[str] = set()
-    relative_levels: list[int] = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                relative_levels.append(node.level)
-            elif node.module is not None:
-                names.add(node.module.split(".")[0])
-    return names, relative_levels
 
 
 def test_the_checker_detects_a_third_party_import() -> None:
