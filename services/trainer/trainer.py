@@ -451,7 +451,6 @@ class Trainer:
         return out
 
     def _remote_completions(self, plan: s.BatchPlan, questions: list[PlannedQuestion]) -> list[list[Any]]:
-        from exgrpo_client import decode_trajectory
         from exgrpo_rollout.engines.base import Completion as EngineCompletion
 
         assert self.client is not None
@@ -471,26 +470,15 @@ class Trainer:
             g = by_q[(q.question_id, q.replayed)]
             comps = []
             for r in g.rollouts:
-                traj = s.TrajectoryPublic(
-                    id=0,
-                    question_id=q.question_id,
-                    source_run=None,
-                    policy_version=0,
-                    step=0,
-                    reward=r.reward,
-                    entropy=None,
-                    num_tokens=0,
-                    created_at=plan.created_at,
-                    token_ids_b64=r.token_ids_b64,
-                    logprobs_b64=r.logprobs_b64,
-                )
-                ids, lps = decode_trajectory(traj)
+                # workers complete tasks with packed arrays; lists are accepted too
+                ids = r.token_ids if r.token_ids is not None else s.unpack_ids(r.token_ids_b64 or "")
+                lps = r.logprobs if r.logprobs is not None else s.unpack_logprobs(r.logprobs_b64 or "")
                 comps.append(
                     EngineCompletion(
-                        token_ids=ids.tolist(),
-                        logprobs=lps.tolist(),
+                        token_ids=list(ids),
+                        logprobs=list(lps),
                         finish_reason=r.finish_reason or "stop",
-                        text=self.tokenizer.decode(ids.tolist(), skip_special_tokens=False),
+                        text=self.tokenizer.decode(list(ids), skip_special_tokens=False),
                     )
                 )
             out.append(comps)
