@@ -46,7 +46,7 @@ from exgrpo_trainer.model import load_model, load_tokenizer, pad_rows, response_
 from exgrpo_trainer.telemetry import MetricsLogger
 
 log = logging.getLogger("exgrpo.trainer")
-StepHook = Callable[["Trainer", dict[str, float]], None]
+StepHook = Callable[["Trainer", dict[str, float]], bool | None]
 T = TypeVar("T")
 
 
@@ -138,7 +138,8 @@ class Trainer:
     # ------------------------------------------------------------------------------- the loop
     def train(self, on_step: StepHook | None = None) -> None:
         """Run until `run.steps`. `on_step(trainer, metrics)` runs on every rank after each step
-        (before the checkpoint), e.g. for a held-out evaluation."""
+        (before the checkpoint), e.g. for a held-out evaluation; when it returns True on rank 0,
+        that step is the last (e.g. a rollout budget is spent)."""
         self._attach_run()
         self._resume()
         if dist.is_main():
@@ -148,13 +149,16 @@ class Trainer:
             )
             self.logger.advance_to(self.step)
         try:
-            while self.step < self.cfg.run.steps:
+            last = False
+            while not last and self.step < self.cfg.run.steps:
                 metrics = self.train_step()
                 if self.logger is not None:
                     self.logger.log(self.step, metrics)
+                stop = False
                 if on_step is not None:
-                    on_step(self, metrics)
-                last = self.step >= self.cfg.run.steps
+                    stop = bool(on_step(self, metrics))
+                    stop = bool(dist.broadcast(stop if dist.is_main() else None))
+                last = stop or self.step >= self.cfg.run.steps
                 if last and self.cfg.schedule.publish_every and self.policy_version != self.step:
                     self.publish()  # the final weights, when the last step was not a publishing one
                 every = self.cfg.schedule.checkpoint_every
@@ -700,6 +704,7 @@ class Trainer:
             "batch/questions": float(len(data.slots)),
             "batch/replayed_questions": float(sum(1 for _, rep in data.slots if rep)),
             "batch/rows": float(len(data.rows)),
+            "batch/generated": float(len(generated)),
             "response/length_mean": float(np.mean(lengths)) if lengths else 0.0,
             "response/length_max": float(max(lengths)) if lengths else 0.0,
             "response/truncated_frac": truncated / max(1, len(generated)),
