@@ -220,10 +220,20 @@ def run_job(
     serve: Annotated[bool, typer.Option("--serve", help="Keep the pool service up at the end.")] = False,
     grpo: Annotated[bool, typer.Option("--grpo", help="Plain on-policy GRPO instead of ExGRPO.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of data, run and sampling.")] = 0,
+    heldout: Annotated[
+        int | None, typer.Option(min=1, help="Held-out questions to evaluate on.", show_default="128")
+    ] = None,
+    rollouts: Annotated[
+        int | None,
+        typer.Option(min=1, help="Rollout budget: stop after this many generated rollouts, not run.steps."),
+    ] = None,
     overrides: Annotated[
         list[str] | None,
         typer.Argument(
-            metavar="[KEY=VALUE]...", help="Trainer settings, e.g. run.steps=20.", show_default=False
+            metavar="[KEY=VALUE]...",
+            help="Trainer settings (run.steps=20), pool rules (pool.weighting=uniform), job sizes "
+            "(job.eval_max_new_tokens=256, job.train_questions=500, job.pool_batch_size=8).",
+            show_default=False,
         ),
     ] = None,
 ) -> None:
@@ -244,6 +254,58 @@ def run_job(
             serve=serve,
             experience=not grpo,
             seed=seed,
+            heldout=heldout,
+            rollouts=rollouts,
+            overrides=list(overrides or []),
+        )
+    )
+
+
+@app.command("experiment")
+@friendly_errors
+def experiment(
+    out: Annotated[Path, typer.Option(help="Experiment folder.")] = Path("exgrpo-data/experiment"),
+    seeds: Annotated[int, typer.Option(min=1, help="Seeds per arm (0..N-1).")] = 3,
+    arms: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated arms: grpo, exgrpo, choice-random, buckets-uniform, "
+            "ratio-0.25, ratio-0.75, no-delayed-start (default: all)."
+        ),
+    ] = "all",
+    rollouts: Annotated[int, typer.Option(min=1, help="Rollout budget of every run.")] = 7680,
+    heldout: Annotated[int, typer.Option(min=1, help="Held-out questions per evaluation.")] = 512,
+    jobs: Annotated[int, typer.Option(min=1, help="Runs at a time (one torch thread each).")] = 1,
+    quick: Annotated[bool, typer.Option("--quick", help="The --quick main job in every arm.")] = False,
+    report_only: Annotated[
+        bool, typer.Option("--report-only", help="Only rebuild the table and plots from finished runs.")
+    ] = False,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[KEY=VALUE]...", help="Passed to every run (see `exgrpo run`).", show_default=False
+        ),
+    ] = None,
+) -> None:
+    """GRPO vs ExGRPO at equal rollout budgets over several seeds, plus the paper's ablations
+    (trajectory choice, bucket weights, experience ratio, delayed start): a table and learning curves."""
+    if importlib.util.find_spec("torch") is None:
+        raise ValueError(
+            "the experiment needs the train extra: pip install 'exgrpo-stack[server,train,rollout]'"
+        )
+    from exgrpo_trainer.experiment import ARM_NAMES, ExperimentOptions, run_experiment
+
+    chosen = ARM_NAMES if arms == "all" else tuple(a.strip() for a in arms.split(",") if a.strip())
+    run_experiment(
+        ExperimentOptions(
+            out=out,
+            seeds=seeds,
+            arms=chosen,
+            rollouts=rollouts,
+            heldout=heldout,
+            jobs=jobs,
+            quick=quick,
+            report_only=report_only,
             overrides=list(overrides or []),
         )
     )

@@ -43,8 +43,12 @@ class MainJobOptions:
     seed: int = 0
     heldout: int | None = None
     """Held-out questions (default from the recipe)."""
+    rollouts: int | None = None
+    """Rollout budget: stop once this many rollouts were generated (instead of after run.steps), and
+    evaluate at equal rollout counts (every eval_every * K * B rollouts) so runs compare fairly."""
     overrides: list[str] = field(default_factory=list)
-    """Trainer config overrides, key=value."""
+    """key=value overrides: `pool.*` pool rules (e.g. pool.weighting=uniform), `job.*` job sizes
+    (e.g. job.eval_max_new_tokens=256), anything else the trainer config (e.g. run.steps=20)."""
     cache: Path = Path("exgrpo-data/cache")
 
 
@@ -67,6 +71,45 @@ def _recipe(opts: MainJobOptions) -> tuple[Path, JobPlan]:
     path = RECIPES / ("cpu_demo_quick.yaml" if opts.quick else "cpu_demo.yaml")
     job = yaml.safe_load(path.read_text()).get("job", {}) if path.exists() else {}
     return path, JobPlan(**job)
+
+
+def split_overrides(items: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """`pool.*` (pool rules), `job.*` (JobPlan sizes) and the rest (trainer settings), values
+    parsed as YAML scalars. Unknown pool/job keys fail here, before anything starts."""
+    import yaml
+
+    from exgrpo_client.schemas import PoolConfig
+
+    pool: dict[str, Any] = {}
+    job: dict[str, Any] = {}
+    rest: list[str] = []
+    job_fields = {f.name: f for f in dataclasses.fields(JobPlan)}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r}: expected key=value")
+        if key.startswith("pool."):
+            name = key.removeprefix("pool.")
+            if name not in PoolConfig.model_fields:
+                known = ", ".join(sorted(PoolConfig.model_fields))
+                raise ValueError(f"override {item!r}: unknown pool rule {name!r} (known: {known})")
+            pool[name] = yaml.safe_load(raw)
+        elif key.startswith("job."):
+            name = key.removeprefix("job.")
+            if name not in job_fields:
+                known = ", ".join(job_fields)
+                raise ValueError(f"override {item!r}: unknown job size {name!r} (known: {known})")
+            value = yaml.safe_load(raw)
+            expected = type(getattr(JobPlan(), name))
+            if expected is float and isinstance(value, int):
+                value = float(value)
+            if not isinstance(value, expected) or isinstance(value, bool):
+                kind = "an integer" if expected is int else "a number"
+                raise ValueError(f"override {item!r}: {name} must be {kind}")
+            job[name] = value
+        else:
+            rest.append(item)
+    return pool, job, rest
 
 
 def _free_port() -> int:
@@ -94,11 +137,19 @@ def run_main_job(opts: MainJobOptions) -> Path:
 
         # a model this small runs many times slower with two threads on two shared cores
         torch.set_num_threads(1)
-    out = (opts.out or Path("exgrpo-data/runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    pool_rules, job_sizes, trainer_overrides = split_overrides(opts.overrides)
     recipe_path, job = _recipe(opts)
+    job = dataclasses.replace(job, **job_sizes)
     if opts.heldout:
         job.heldout_questions = opts.heldout
+    if opts.rollouts is not None and opts.rollouts < 1:
+        raise ValueError(f"--rollouts must be positive, got {opts.rollouts}")
+    pool_config = {"k": job.pool_k, "batch_size": job.pool_batch_size, **pool_rules}
+    from exgrpo_client.schemas import PoolConfig
+
+    PoolConfig.model_validate(pool_config)  # bad pool rules fail before anything is prepared
+    out = (opts.out or Path("exgrpo-data/runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
     _log_to(out / "service.log")
 
     console.rule("[bold]ExGRPO on one box")
@@ -114,11 +165,7 @@ def run_main_job(opts: MainJobOptions) -> Path:
         console.print(f"pool service: {srv.url} (embedded, SQLite {out / 'pool.db'})")
         run_name = "exgrpo" if opts.experience else "grpo"
         if not any(p.name == "main" for p in client.list_pools().data):
-            client.create_pool(
-                "main",
-                config={"k": job.pool_k, "batch_size": job.pool_batch_size},
-                description=f"one-box run on {source}",
-            )
+            client.create_pool("main", config=pool_config, description=f"one-box run on {source}")
             with console.status("importing training questions"):
                 client.import_questions("main", train_rows)
         data = yaml.safe_load(recipe_path.read_text()) if recipe_path.exists() else {}
@@ -133,7 +180,8 @@ def run_main_job(opts: MainJobOptions) -> Path:
                 f"run.output_dir={out}",
                 f"model.path={model_dir}",
                 f"experience.enabled={opts.experience}",
-                *opts.overrides,
+                *_budget_steps(opts.rollouts, job),
+                *trainer_overrides,
             ],
         )
         cfg = TrainConfig.model_validate(data)
@@ -142,9 +190,19 @@ def run_main_job(opts: MainJobOptions) -> Path:
         evaluator = _Evaluator(heldout_rows, job, out, client, cfg, console)
         evaluator.baseline(model_dir)
 
-        def on_step(trainer: Any, _metrics: dict[str, float]) -> None:
-            if trainer.step % job.eval_every == 0 or trainer.step >= cfg.run.steps:
+        rollouts_per_eval = job.eval_every * job.pool_k * job.pool_batch_size
+
+        def on_step(trainer: Any, metrics: dict[str, float]) -> bool:
+            before = evaluator.rollouts
+            evaluator.rollouts += int(metrics.get("batch/generated", 0))
+            spent = opts.rollouts is not None and evaluator.rollouts >= opts.rollouts
+            if opts.rollouts is None:
+                due = trainer.step % job.eval_every == 0
+            else:
+                due = evaluator.rollouts // rollouts_per_eval > before // rollouts_per_eval
+            if due or spent or trainer.step >= cfg.run.steps:
                 evaluator.during(trainer)
+            return spent
 
         run_training(cfg, on_step=on_step)
         elapsed = time.perf_counter() - started
@@ -153,7 +211,8 @@ def run_main_job(opts: MainJobOptions) -> Path:
             "model": str(model_dir),
             "data": source,
             "run": run_name,
-            "steps": cfg.run.steps,
+            "steps": evals[-1]["step"] if evals else cfg.run.steps,
+            "rollouts generated": evaluator.rollouts,
             "questions per step": job.pool_batch_size,
             "rollouts per question": job.pool_k,
             "held-out questions": len(heldout_rows),
@@ -164,7 +223,10 @@ def run_main_job(opts: MainJobOptions) -> Path:
             "run_folder": str(out),
             "report": str(report),
             "pool_db": str(out / "pool.db"),
-            "heldout_accuracy": [{"step": e["step"], "accuracy": e["accuracy"]} for e in evals],
+            "heldout_accuracy": [
+                {"step": e["step"], "rollouts": e["rollouts"], "accuracy": e["accuracy"]} for e in evals
+            ],
+            "rollouts": evaluator.rollouts,
             "wall_seconds": round(elapsed, 1),
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -172,7 +234,8 @@ def run_main_job(opts: MainJobOptions) -> Path:
         if evals:
             console.print(
                 f"held-out accuracy: {evals[0]['accuracy']:.3f} (before) -> "
-                f"{evals[-1]['accuracy']:.3f} (after {cfg.run.steps} steps)"
+                f"{evals[-1]['accuracy']:.3f} (after {evals[-1]['step']} steps, "
+                f"{evaluator.rollouts} rollouts)"
             )
         console.print(f"outputs:   {out}\nreport:    {report}\nmetrics:   {out / 'metrics.jsonl'}")
         console.print(
@@ -187,6 +250,15 @@ def run_main_job(opts: MainJobOptions) -> Path:
             except KeyboardInterrupt:
                 pass
     return out
+
+
+def _budget_steps(budget: int | None, job: JobPlan) -> list[str]:
+    """With a rollout budget the hook ends the run; run.steps only has to be out of its way (a step
+    generates at least B * (K - 1) rollouts)."""
+    if budget is None:
+        return []
+    per_step = job.pool_batch_size * (job.pool_k - 1)
+    return [f"run.steps={-(-budget // per_step) + 1}"]
 
 
 def _log_to(path: Path) -> None:
@@ -260,6 +332,8 @@ class _Evaluator:
         self.cfg = cfg
         self.console = console
         self.history: list[dict[str, Any]] = []
+        self.rollouts = 0
+        """Rollouts generated so far (fresh samples; replayed trajectories are not counted)."""
         (out / "eval").mkdir(exist_ok=True)
         (out / "eval.jsonl").write_text("")
 
@@ -282,6 +356,7 @@ class _Evaluator:
         per = {b["data_source"]: float(b["accuracy"]) for b in d.get("benchmarks", [])}
         entry = {
             "step": step,
+            "rollouts": self.rollouts,
             "accuracy": acc,
             "per_source": per,
             "seconds": round(time.perf_counter() - t, 1),

@@ -1,0 +1,354 @@
+"""GRPO vs ExGRPO at an equal rollout budget, several seeds, and the paper's ablations
+(`exgrpo experiment`).
+
+Every arm is the one-box main job (`exgrpo run`) in its own folder with its own embedded pool, the
+same warm-started model, the same rollout budget and the same evaluation points (every
+eval_every * K * B generated rollouts). A seed fixes the data split (training and held-out
+questions), the run's draws and the sampling, so arm A seed s and arm B seed s see the same
+questions: differences between arms are paired per seed.
+
+    OUT/<arm>/seed-<s>/     a main-job run folder (summary.json, eval.jsonl, metrics.jsonl, run.log)
+    OUT/results.md          table: held-out accuracy at equal rollouts, mean and spread over seeds
+    OUT/results.json        the same numbers, machine-readable
+    OUT/plots/*.png         learning curves (held-out accuracy and batch solved fraction vs rollouts)
+
+Finished runs (summary.json present) are kept, so an interrupted experiment continues where it
+stopped; `--report-only` rebuilds the table and plots from what is there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    args: tuple[str, ...]
+    """Extra `exgrpo run` arguments."""
+    what: str
+
+
+ARMS: tuple[Arm, ...] = (
+    Arm("grpo", ("--grpo",), "on-policy GRPO (experience off)"),
+    Arm("exgrpo", (), "ExGRPO: entropy choice, Gaussian buckets, ratio 0.5, delayed start 0.35"),
+    Arm(
+        "choice-random", ("experience.metric=random",), "ExGRPO, random trajectory instead of lowest entropy"
+    ),
+    Arm("buckets-uniform", ("pool.weighting=uniform",), "ExGRPO, uniform bucket weights instead of Gaussian"),
+    Arm("ratio-0.25", ("experience.ratio=0.25",), "ExGRPO, experience ratio 0.25"),
+    Arm("ratio-0.75", ("experience.ratio=0.75",), "ExGRPO, experience ratio 0.75"),
+    Arm("no-delayed-start", ("experience.start_threshold=0",), "ExGRPO, mixed from the first solved batch"),
+)
+ARM_NAMES = tuple(a.name for a in ARMS)
+
+
+@dataclass
+class ExperimentOptions:
+    out: Path = Path("exgrpo-data/experiment")
+    seeds: int = 3
+    arms: tuple[str, ...] = ARM_NAMES
+    rollouts: int = 7680
+    """Rollout budget of every run (default: 60 steps of GRPO at K = 8, B = 16)."""
+    heldout: int = 512
+    jobs: int = 1
+    """Runs at a time (one torch thread each)."""
+    quick: bool = False
+    report_only: bool = False
+    overrides: list[str] = field(default_factory=list)
+    """Passed to every run (pool.*, job.*, trainer keys)."""
+
+
+def _run_dir(out: Path, arm: str, seed: int) -> Path:
+    return out / arm / f"seed-{seed}"
+
+
+def _command(arm: Arm, seed: int, opts: ExperimentOptions, folder: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "exgrpo_cli.main", "run", "--out", str(folder), "--seed", str(seed)]
+    cmd += ["--rollouts", str(opts.rollouts), "--heldout", str(opts.heldout)]
+    if opts.quick:
+        cmd.append("--quick")
+    return [*cmd, *arm.args, *opts.overrides]
+
+
+def _launch(arm: Arm, seed: int, opts: ExperimentOptions) -> tuple[int, float]:
+    folder = _run_dir(opts.out, arm.name, seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "COLUMNS": "100"}
+    started = time.perf_counter()
+    with (folder / "run.log").open("w") as logf:
+        logf.write("$ " + " ".join(_command(arm, seed, opts, folder)) + "\n")
+        logf.flush()
+        rc = subprocess.call(
+            _command(arm, seed, opts, folder), stdout=logf, stderr=subprocess.STDOUT, env=env
+        )
+    return rc, time.perf_counter() - started
+
+
+def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> Path:
+    console = console or Console(stderr=True)
+    unknown = [a for a in opts.arms if a not in ARM_NAMES]
+    if unknown:
+        raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARM_NAMES)}")
+    if opts.seeds < 1 or opts.jobs < 1 or opts.rollouts < 1:
+        raise ValueError("--seeds, --jobs and --rollouts must be positive")
+    from exgrpo_trainer.main_job import split_overrides
+
+    split_overrides(opts.overrides)  # bad overrides fail before the first run
+    opts.out.mkdir(parents=True, exist_ok=True)
+    arms = [a for a in ARMS if a.name in opts.arms]
+    todo = [
+        (arm, seed)
+        for seed in range(opts.seeds)
+        for arm in arms
+        if not (_run_dir(opts.out, arm.name, seed) / "summary.json").exists()
+    ]
+    total = len(arms) * opts.seeds
+    failed: list[str] = []
+    if not opts.report_only and todo:
+        # build the cached warm-started model once, before parallel runs would race to build it
+        from exgrpo_trainer.main_job import MainJobOptions
+        from exgrpo_trainer.warmstart import prepare_model
+
+        cache = MainJobOptions().cache / ("warmstart-quick" if opts.quick else "warmstart")
+        with console.status("preparing the warm-started model (first run only)"):
+            prepare_model(cache.resolve(), seed=0, quick=opts.quick)
+        console.print(
+            f"experiment: {len(todo)} of {total} runs to do ({len(arms)} arms x {opts.seeds} seeds), "
+            f"{opts.rollouts} rollouts each, {opts.jobs} at a time -> {opts.out}"
+        )
+        done = total - len(todo)
+        with ThreadPoolExecutor(opts.jobs) as pool:
+            pending: dict[Future[tuple[int, float]], tuple[Arm, int]] = {}
+            queue = list(todo)
+            while queue or pending:
+                while queue and len(pending) < opts.jobs:
+                    arm, seed = queue.pop(0)
+                    pending[pool.submit(_launch, arm, seed, opts)] = (arm, seed)
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    arm, seed = pending.pop(fut)
+                    rc, secs = fut.result()
+                    done += 1
+                    folder = _run_dir(opts.out, arm.name, seed)
+                    if rc != 0:
+                        failed.append(f"{arm.name}/seed-{seed}")
+                        console.print(
+                            f"[red][{done}/{total}] {arm.name} seed {seed}: FAILED (exit {rc}), "
+                            f"see {folder / 'run.log'}"
+                        )
+                        continue
+                    acc = [
+                        e["accuracy"]
+                        for e in json.loads((folder / "summary.json").read_text())["heldout_accuracy"]
+                    ]
+                    console.print(
+                        f"[{done}/{total}] {arm.name} seed {seed}: held-out {acc[0]:.3f} -> {acc[-1]:.3f} "
+                        f"({secs / 60:.1f} min)"
+                    )
+    report = write_results(opts.out, arms, opts.seeds)
+    console.print(f"results: {report}")
+    if failed:
+        raise RuntimeError(f"{len(failed)} run(s) failed: {', '.join(failed)}")
+    return report
+
+
+# ----------------------------------------------------------------------------------- results
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _stats(xs: Sequence[float]) -> dict[str, float]:
+    n = len(xs)
+    mean = sum(xs) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    return {"mean": mean, "std": std, "min": min(xs), "max": max(xs), "n": float(n)}
+
+
+@dataclass
+class RunResult:
+    seed: int
+    evals: list[dict[str, Any]]
+    """[{step, rollouts, accuracy}] in order, the first before training."""
+    metrics: list[dict[str, Any]]
+
+    @property
+    def switch_step(self) -> int | None:
+        return next((int(m["step"]) for m in self.metrics if m.get("phase/switched")), None)
+
+
+def load_runs(out: Path, arm: str, seeds: int) -> list[RunResult]:
+    runs = []
+    for seed in range(seeds):
+        folder = _run_dir(out, arm, seed)
+        if not (folder / "summary.json").exists():
+            continue
+        runs.append(
+            RunResult(seed, _read_jsonl(folder / "eval.jsonl"), _read_jsonl(folder / "metrics.jsonl"))
+        )
+    return runs
+
+
+def summarize(out: Path, arms: Sequence[Arm], seeds: int) -> dict[str, Any]:
+    """Per arm: held-out accuracy at each evaluation point (equal rollout counts across arms) and at
+    the end, mean/std/min/max over seeds, and the per-seed paired difference to GRPO."""
+    table: dict[str, Any] = {}
+    base = {r.seed: r for r in load_runs(out, "grpo", seeds)}
+    for arm in arms:
+        runs = load_runs(out, arm.name, seeds)
+        if not runs:
+            continue
+        points = min(len(r.evals) for r in runs)
+        curve = [
+            {
+                "rollouts": _stats([float(r.evals[i]["rollouts"]) for r in runs])["mean"],
+                "accuracy": _stats([float(r.evals[i]["accuracy"]) for r in runs]),
+            }
+            for i in range(points)
+        ]
+        final = [float(r.evals[-1]["accuracy"]) for r in runs]
+        start = [float(r.evals[0]["accuracy"]) for r in runs]
+        mid = [float(r.evals[len(r.evals) // 2]["accuracy"]) for r in runs]
+        entry: dict[str, Any] = {
+            "what": arm.what,
+            "seeds": [r.seed for r in runs],
+            "start": _stats(start),
+            "mid": _stats(mid),
+            "final": _stats(final),
+            "gain": _stats([f - s for f, s in zip(final, start, strict=True)]),
+            "rollouts": _stats([float(r.evals[-1]["rollouts"]) for r in runs]),
+            "steps": _stats([float(r.evals[-1]["step"]) for r in runs]),
+            "curve": curve,
+        }
+        paired = [
+            float(r.evals[-1]["accuracy"]) - float(base[r.seed].evals[-1]["accuracy"])
+            for r in runs
+            if r.seed in base
+        ]
+        if paired and arm.name != "grpo":
+            entry["vs_grpo"] = _stats(paired)
+        switches = [r.switch_step for r in runs if r.switch_step is not None]
+        if switches:
+            entry["switch_step"] = _stats([float(x) for x in switches])
+        replay = [
+            float(m.get("batch/replayed_questions", 0.0)) / max(1.0, float(m.get("batch/questions", 1.0)))
+            for r in runs
+            for m in r.metrics
+        ]
+        entry["replay_share"] = sum(replay) / len(replay) if replay else 0.0
+        table[arm.name] = entry
+    return table
+
+
+def _pm(s: dict[str, float]) -> str:
+    return f"{s['mean']:.3f} ± {s['std']:.3f}"
+
+
+def _markdown(table: dict[str, Any]) -> str:
+    lines = [
+        "| arm | seeds | rollouts | steps | held-out before | at half budget | at full budget | gain | "
+        "vs GRPO (paired) | switch step | replay share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, e in table.items():
+        vs = e.get("vs_grpo")
+        sw = e.get("switch_step")
+        vs_text = "—" if vs is None else f"{vs['mean']:+.3f} ± {vs['std']:.3f}"
+        sw_text = "—" if sw is None else f"{sw['mean']:.1f}"
+        final = e["final"]
+        lines.append(
+            f"| {name} | {len(e['seeds'])} | {e['rollouts']['mean']:.0f} | {e['steps']['mean']:.0f} | "
+            f"{_pm(e['start'])} | {_pm(e['mid'])} | {_pm(final)} (min {final['min']:.3f}, "
+            f"max {final['max']:.3f}) | {e['gain']['mean']:+.3f} | {vs_text} | {sw_text} | "
+            f"{e['replay_share']:.2f} |"
+        )
+    lines.append("")
+    lines.append(
+        "Mean ± sample standard deviation over seeds. 'vs GRPO': final accuracy minus GRPO's on the same"
+    )
+    lines.append(
+        "seed (same training and held-out questions). 'replay share': replayed / all questions, all steps."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _plots(out: Path, table: dict[str, Any], runs: dict[str, list[RunResult]]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    made: list[Path] = []
+    groups = {
+        "grpo-vs-exgrpo": ["grpo", "exgrpo"],
+        "ablations": [n for n in table if n != "grpo"],
+    }
+    for fname, names in groups.items():
+        names = [n for n in names if n in table]
+        if not names:
+            continue
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+        for name in names:
+            xs = [p["rollouts"] for p in table[name]["curve"]]
+            mean = [p["accuracy"]["mean"] for p in table[name]["curve"]]
+            lo = [p["accuracy"]["min"] for p in table[name]["curve"]]
+            hi = [p["accuracy"]["max"] for p in table[name]["curve"]]
+            (line,) = ax1.plot(xs, mean, "o-", label=f"{name} (n={len(table[name]['seeds'])})")
+            ax1.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12)
+            # training curve: batch solved fraction vs cumulative rollouts, mean over seeds, smoothed
+            series = []
+            for r in runs[name]:
+                cum, pts = 0.0, []
+                for m in r.metrics:
+                    cum += float(m.get("batch/generated", 0.0))
+                    pts.append((cum, float(m.get("batch/solved", 0.0))))
+                series.append(pts)
+            n = min(len(s) for s in series)
+            if n:
+                x = [sum(s[i][0] for s in series) / len(series) for i in range(n)]
+                y = [sum(s[i][1] for s in series) / len(series) for i in range(n)]
+                w = 5
+                ys = [sum(y[max(0, i - w + 1) : i + 1]) / len(y[max(0, i - w + 1) : i + 1]) for i in range(n)]
+                ax2.plot(x, ys, "-", color=line.get_color(), label=name)
+        ax1.set_xlabel("generated rollouts")
+        ax1.set_ylabel("held-out accuracy")
+        ax1.set_title("Held-out accuracy (mean over seeds, band = min..max)")
+        ax1.legend(fontsize=8)
+        ax2.set_xlabel("generated rollouts")
+        ax2.set_ylabel("batch solved fraction (5-step mean)")
+        ax2.set_title("Training batches")
+        ax2.legend(fontsize=8)
+        fig.tight_layout()
+        path = plots / f"{fname}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def write_results(out: Path, arms: Sequence[Arm], seeds: int) -> Path:
+    table = summarize(out, arms, seeds)
+    (out / "results.json").write_text(json.dumps(table, indent=2) + "\n")
+    runs = {name: load_runs(out, name, seeds) for name in table}
+    plots = _plots(out, table, runs)
+    body = ["# GRPO vs ExGRPO and ablations", "", _markdown(table)]
+    body += [f"![{p.stem}](plots/{p.name})" for p in plots]
+    path = out / "results.md"
+    path.write_text("\n".join(body) + "\n")
+    return path
