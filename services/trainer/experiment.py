@@ -119,9 +119,10 @@ def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> P
     failed: list[str] = []
     if not opts.report_only and todo:
         # build the cached warm-started model once, before parallel runs would race to build it
-        from exgrpo_trainer.main_job import MainJobOptions
+        from exgrpo_trainer.main_job import MainJobOptions, one_thread_on_small_boxes
         from exgrpo_trainer.warmstart import prepare_model
 
+        one_thread_on_small_boxes()
         cache = MainJobOptions().cache / ("warmstart-quick" if opts.quick else "warmstart")
         with console.status("preparing the warm-started model (first run only)"):
             prepare_model(cache.resolve(), seed=0, quick=opts.quick)

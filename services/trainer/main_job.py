@@ -112,6 +112,15 @@ def split_overrides(items: list[str]) -> tuple[dict[str, Any], dict[str, Any], l
     return pool, job, rest
 
 
+def one_thread_on_small_boxes() -> None:
+    """One torch thread on machines with at most two cores (unless OMP_NUM_THREADS says otherwise):
+    a model this small runs many times slower with two threads on two shared cores."""
+    if "OMP_NUM_THREADS" not in os.environ and (os.cpu_count() or 1) <= 2:
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def _free_port() -> int:
     import socket
 
@@ -132,11 +141,7 @@ def run_main_job(opts: MainJobOptions) -> Path:
 
     console = Console(stderr=True)
     started = time.perf_counter()
-    if "OMP_NUM_THREADS" not in os.environ and (os.cpu_count() or 1) <= 2:
-        import torch
-
-        # a model this small runs many times slower with two threads on two shared cores
-        torch.set_num_threads(1)
+    one_thread_on_small_boxes()
     pool_rules, job_sizes, trainer_overrides = split_overrides(opts.overrides)
     recipe_path, job = _recipe(opts)
     job = dataclasses.replace(job, **job_sizes)
