@@ -1,11 +1,17 @@
 """Shared pieces of the trainer tests: a grader the random tiny model can pass, pools of synthetic
-arithmetic questions, run settings, and a client that records what the trainer sends."""
+arithmetic questions, run settings, a client that records what the trainer sends, launching
+processes that import this module, and comparing two runs step by step."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
+
+import torch
+from safetensors.torch import load_file
 
 from exgrpo_client import Client
 from exgrpo_client import schemas as s
@@ -37,25 +43,28 @@ def make_pool(
     client.import_questions(name, items[:questions])
 
 
+def run_overrides(url: str, pool: str, model: Path, out: Path, *overrides: str) -> list[str]:
+    """Small, fast settings as `key=value` items: short responses, in-process grading, no
+    TensorBoard or progress bar."""
+    return [
+        f"run.pool_url={url}",
+        f"run.pool={pool}",
+        f"run.output_dir={out}",
+        f"model.path={model}",
+        "rollout.max_new_tokens=12",
+        "rollout.min_new_tokens=4",
+        f"rollout.grader={PARITY}",
+        "rollout.grading_workers=0",
+        "optim.lr=1e-3",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        *overrides,
+    ]
+
+
 def run_config(url: str, pool: str, model: Path, out: Path, *overrides: str) -> TrainConfig:
-    """Small, fast settings: short responses, in-process grading, no TensorBoard or progress bar."""
-    return load_config(
-        None,
-        [
-            f"run.pool_url={url}",
-            f"run.pool={pool}",
-            f"run.output_dir={out}",
-            f"model.path={model}",
-            "rollout.max_new_tokens=12",
-            "rollout.min_new_tokens=4",
-            f"rollout.grader={PARITY}",
-            "rollout.grading_workers=0",
-            "optim.lr=1e-3",
-            "logging.tensorboard=false",
-            "logging.progress=false",
-            *overrides,
-        ],
-    )
+    """`run_overrides` as a validated config, for training in this process."""
+    return load_config(None, run_overrides(url, pool, model, out, *overrides))
 
 
 def read_metrics(out: Path) -> list[dict[str, float]]:
@@ -78,3 +87,45 @@ class RecordingClient(Client):
     def commit_batch(self, pool: str, batch_id: str, groups: Any, *args: Any, **kw: Any) -> s.CommitResult:
         self.commits.append(list(groups))
         return super().commit_batch(pool, batch_id, groups, *args, **kw)
+
+
+# ------------------------------------------------------------------------------- processes
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """A command line running `args` (a script or `-m module`, then its arguments) on `nproc`
+    ranks; one rank runs it without a launcher."""
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a trainer or worker process started by a test: one torch thread, no
+    service address from the caller's shell, and the tests folder importable (the `PARITY` grader
+    is loaded by its module name)."""
+    tests_root = Path(__file__).parents[__name__.count(".")]
+    env = {k: v for k, v in os.environ.items() if k not in ("EXGRPO_URL", "EXGRPO_TOKEN")}
+    env.update(
+        OMP_NUM_THREADS="1",
+        TRANSFORMERS_VERBOSITY="error",
+        PYTHONPATH=os.pathsep.join([str(tests_root), env.get("PYTHONPATH", "")]),
+    )
+    return env
+
+
+# ------------------------------------------------------------------------------ comparison
+def assert_same_metrics(a: list[dict[str, float]], b: list[dict[str, float]], keys: tuple[str, ...]) -> None:
+    """The same steps, and at each step the same value of every key (relative tolerance 1e-6)."""
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    for ma, mb in zip(a, b, strict=True):
+        for key in keys:
+            close = abs(ma[key] - mb[key]) <= 1e-6 * max(1.0, abs(ma[key]))
+            assert close, (ma["step"], key, ma[key], mb[key])
+
+
+def assert_same_weights(a: Path, b: Path) -> dict[str, torch.Tensor]:
+    """Two published folders hold exactly the same weights; returns `a`'s."""
+    wa, wb = (load_file(str(folder / "model.safetensors")) for folder in (a, b))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    return wa

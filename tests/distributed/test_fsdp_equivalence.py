@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from ._helpers import torchrun
 
 WORKER = Path(__file__).with_name("_equivalence_worker.py")
 CLOSE = (
@@ -32,19 +33,12 @@ CLOSE = (
 EXACT = ("tokens/fresh", "tokens/replay", "optim/skipped")
 
 
-def _command(model: Path, out: Path, nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, str(WORKER), str(model), str(out)]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*launcher, str(WORKER), str(model), str(out)]
-
-
 def _launch_all(model: Path, tmp: Path, counts: tuple[int, ...]) -> list[dict[str, Any]]:
     """Run the worker with each process count at the same time; the results in order."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            _command(model, tmp / f"world{n}.pt", n),
+            torchrun(n, str(WORKER), str(model), str(tmp / f"world{n}.pt")),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -3,7 +3,6 @@ with two ranks of FSDP2 over gloo, from the shipped recipes."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +14,7 @@ from typer.testing import CliRunner
 from exgrpo_cli.main import app
 from exgrpo_client import Client
 
-from . import _helpers
-from ._helpers import PARITY, make_pool, read_metrics
+from ._helpers import PARITY, child_env, make_pool, read_metrics
 
 EXGRPO = Path(sys.executable).with_name("exgrpo")
 BANNER = "# exgrpo trainer settings"
@@ -64,10 +62,7 @@ def test_train_two_ranks_under_torchrun(
     with Client(live_server.url) as client:
         make_pool(client, pool_name, start_threshold=0.2)
     out = tmp_path / "run"
-    # the workers import the test grader by its module name, relative to the tests folder
-    tests_root = Path(_helpers.__file__).parents[_helpers.__name__.count(".")]
-    env = {k: v for k, v in os.environ.items() if k not in ("EXGRPO_URL", "EXGRPO_TOKEN")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(tests_root), env.get("PYTHONPATH", "")]))
+    env = child_env()  # the ranks import the test grader by its module name
     command = [str(EXGRPO), "--url", live_server.url, "train", "--config", "exgrpo", "--nproc", "2"]
     command += [*_overrides(pool_name, tiny_model, out, 3), "schedule.publish_every=2"]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)

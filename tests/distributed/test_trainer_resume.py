@@ -1,22 +1,35 @@
-"""Checkpoint and resume: 5 uninterrupted steps equal 3 steps, a stop, and a resume to step 5.
+"""Checkpoint and resume: N uninterrupted steps equal a run stopped part way and resumed to step N,
+in one process and in two ranks of FSDP2 over gloo (torchrun; each rank writes its own RNG state
+beside the sharded model and optimizer).
 
 Each run gets its own service (a fresh SQLite database), so both start from the same pool state
 with the same question ids."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from exgrpo_client import Client
+from exgrpo_trainer.config import load_config
 from exgrpo_trainer.trainer import run_training
 
-from ._helpers import make_pool, read_metrics, run_config
+from ._helpers import (
+    assert_same_metrics,
+    assert_same_weights,
+    child_env,
+    make_pool,
+    read_metrics,
+    run_overrides,
+    torchrun,
+)
 
 COMPARED = (
     "batch/solved",
@@ -31,8 +44,8 @@ COMPARED = (
 )
 
 
-def _train(url: str, model: Path, out: Path, steps: int) -> None:
-    cfg = run_config(
+def _train(url: str, model: Path, out: Path, steps: int, nproc: int) -> None:
+    overrides = run_overrides(
         url,
         "resume",
         model,
@@ -41,45 +54,51 @@ def _train(url: str, model: Path, out: Path, steps: int) -> None:
         "schedule.publish_every=1",  # the same policy versions in both runs
         "schedule.checkpoint_every=0",  # a checkpoint at the end only
     )
-    run_training(cfg)
+    if nproc == 1:
+        run_training(load_config(None, overrides))
+        return
+    command = torchrun(nproc, "-m", "exgrpo_trainer", *overrides)
+    proc = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
+@pytest.mark.parametrize(
+    ("nproc", "stops"),
+    [pytest.param(1, (3, 5), id="one-process"), pytest.param(2, (2, 4), id="two-ranks")],
+)
 def test_resume_continues_exactly(
-    start_live_server: Callable[..., AbstractContextManager[Any]], tiny_model: Path, tmp_path: Path
+    start_live_server: Callable[..., AbstractContextManager[Any]],
+    tiny_model: Path,
+    tmp_path: Path,
+    nproc: int,
+    stops: tuple[int, int],
 ) -> None:
+    first, last = stops
     outs = {}
-    for name, stops in (("straight", [5]), ("resumed", [3, 5])):
+    for name, run_to in (("straight", [last]), ("resumed", [first, last])):
         out = tmp_path / name
         with start_live_server(f"sqlite+aiosqlite:///{tmp_path / name}.db") as server:
             with Client(server.url) as client:
                 make_pool(client, "resume", start_threshold=0.2)
-            for steps in stops:
-                _train(server.url, tiny_model, out, steps)
+            for steps in run_to:
+                _train(server.url, tiny_model, out, steps, nproc)
             with Client(server.url) as client:
                 run = client.get_run("resume", "run-1")
-        assert run.step == 5 and run.phase == "mixed"
+        assert run.step == last and run.phase == "mixed"
         outs[name] = out
 
     ckpts = outs["resumed"] / "checkpoints"
-    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-000003", "step-000005"]
+    assert sorted(p.name for p in ckpts.glob("step-*")) == [f"step-{first:06d}", f"step-{last:06d}"]
+    for rank in range(nproc):  # every rank restores its own RNG state
+        assert (ckpts / f"step-{first:06d}" / f"extra-rank{rank}.pt").is_file()
 
     a, b = (read_metrics(outs[n]) for n in ("straight", "resumed"))
-    assert [m["step"] for m in a] == [1, 2, 3, 4, 5]
-    assert [m["step"] for m in b] == [1, 2, 3, 4, 5]  # appended to the same metrics.jsonl
-    assert any(m["batch/replayed_questions"] > 0 for m in a[3:]), "resumed steps replay"
-    for ma, mb in zip(a, b, strict=True):
-        for key in COMPARED:
-            assert abs(ma[key] - mb[key]) <= 1e-6 * max(1.0, abs(ma[key])), (
-                ma["step"],
-                key,
-                ma[key],
-                mb[key],
-            )
+    assert [m["step"] for m in a] == list(range(1, last + 1))
+    assert [m["step"] for m in b] == list(range(1, last + 1))  # appended to the same metrics.jsonl
+    assert any(m["batch/replayed_questions"] > 0 for m in a[first:]), "resumed steps replay"
+    assert_same_metrics(a, b, COMPARED)
 
-    wa = load_file(str(outs["straight"] / "published" / "v000005" / "model.safetensors"))
-    wb = load_file(str(outs["resumed"] / "published" / "v000005" / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
+    published = f"published/v{last:06d}"
+    wa = assert_same_weights(outs["straight"] / published, outs["resumed"] / published)
     w0 = load_file(str(tiny_model / "model.safetensors"))
     assert any(not torch.equal(w0[k], wa[k]) for k in wa), "the weights moved"

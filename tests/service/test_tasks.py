@@ -247,6 +247,25 @@ async def test_results_long_poll_returns_complete_groups(client: httpx.AsyncClie
     assert status["status"] == "committed" and status["result"] == result
 
 
+async def test_results_long_poll_ends_when_a_task_failed_for_good(client: httpx.AsyncClient) -> None:
+    plan = await _mixed_plan_with_tasks(client)
+    url = f"/v1/pools/p1/batches/{plan['id']}/results"
+    tasks = await _claim(client, "w", 100)
+    for t in tasks[1:]:
+        ok(await _complete(client, t))
+    bad = tasks[0]
+    body = {"lease_token": bad["lease_token"], "error": "bad prompt", "retry": False}
+    ok(await client.post(f"/v1/pools/p1/tasks/{bad['id']}/fail", json=body))
+    # nothing is pending or leased: the poll answers at once instead of waiting out its 10 s
+    start = asyncio.get_running_loop().time()
+    results = ok(await client.get(url, params={"wait": 10}))
+    assert asyncio.get_running_loop().time() - start < 5
+    assert results["complete"] is False
+    assert sorted(g["question_id"] for g in results["groups"]) == sorted(t["question_id"] for t in tasks[1:])
+    status = await _status(client, plan)
+    assert (status["tasks_completed"], status["tasks_failed"]) == (len(tasks) - 1, 1)
+
+
 async def test_results_of_a_batch_without_tasks(client: httpx.AsyncClient) -> None:
     await setup_pool(client)
     plan = await plan_batch(client)

@@ -135,7 +135,8 @@ async def batch_status(ctx: Context, pool: Pool, batch_id: str) -> s.BatchStatus
 
 
 async def batch_results(ctx: Context, pool: Pool, batch_id: str, wait: float) -> s.BatchResults:
-    """Completed groups of a batch's tasks; waits up to `wait` seconds for all of them."""
+    """Completed groups of a batch's tasks; waits up to `wait` seconds for all of them, or until
+    none is pending or leased (a failed task never completes: there is nothing to wait for)."""
     deadline = time.monotonic() + wait
     while True:
         async with ctx.db.read() as session:
@@ -144,7 +145,8 @@ async def batch_results(ctx: Context, pool: Pool, batch_id: str, wait: float) ->
         done = [t for t in tasks if t.status == "completed"]
         if not tasks:
             raise Conflict(f"batch {batch_id} has no generation tasks (plan it with create_tasks=true)")
-        if len(done) == len(tasks) or time.monotonic() >= deadline:
+        settled = all(t.status in ("completed", "failed") for t in tasks)
+        if settled or time.monotonic() >= deadline:
             break
         await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
     groups = [
