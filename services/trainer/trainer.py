@@ -463,6 +463,13 @@ class Trainer:
             res = self.client.batch_results(self.cfg.run.pool, plan.id, wait=30.0)
             if res.complete:
                 break
+            # a task failed for good (attempts used up, or the batch was re-planned) never completes
+            failed = self.client.batch_status(self.cfg.run.pool, plan.id).tasks_failed
+            if failed:
+                raise RuntimeError(
+                    f"batch {plan.id}: {failed} generation tasks failed for good; the rollout "
+                    "workers' logs name the errors"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"batch {plan.id}: workers did not finish within rollout.results_timeout_s"
