@@ -160,6 +160,16 @@ class TrainConfig(_Section):
     def max_response_len(self) -> int:
         return self.loss.max_response_len or self.rollout.max_new_tokens
 
+    def run_overrides(self) -> dict[str, Any]:
+        """The run's batch-level rules on the service (`RunOverrides` fields) from this config."""
+        exp = self.experience
+        return {
+            "experience": exp.enabled,
+            "experience_ratio": exp.ratio,
+            "start_threshold": exp.start_threshold,
+            "batch_size": exp.batch_size,
+        }
+
     def public_dict(self) -> dict[str, Any]:
         """The settings as plain data, with the service token masked (for logs and config.yaml)."""
         data = self.model_dump(mode="json")

@@ -191,7 +191,8 @@ def run_main_job(opts: MainJobOptions) -> Path:
         )
         cfg = TrainConfig.model_validate(data)
         if not any(r.name == run_name for r in client.list_runs("main").data):
-            client.create_run("main", run_name, seed=opts.seed, overrides={"experience": opts.experience})
+            # the trainer's experience settings (ratio, start threshold, ...) are the run's rules
+            client.create_run("main", run_name, seed=opts.seed, overrides=cfg.run_overrides())
         evaluator = _Evaluator(heldout_rows, job, out, client, cfg, console)
         evaluator.baseline(model_dir)
 

@@ -14,7 +14,18 @@ def test_quick_main_job_runs_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "exgrpo_cli.main", "run", "--quick", "--out", str(out)],
+        # the trainer's experience settings must become the run's rules on the service
+        [
+            sys.executable,
+            "-m",
+            "exgrpo_cli.main",
+            "run",
+            "--quick",
+            "--out",
+            str(out),
+            "experience.ratio=0.25",
+            "experience.start_threshold=0.02",
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -46,6 +57,12 @@ def test_quick_main_job_runs_end_to_end(tmp_path: Path) -> None:
     db = sqlite3.connect(out / "pool.db")
     ((run_step,),) = db.execute("select step from run where name = 'exgrpo'").fetchall()
     assert run_step == len(steps)
+    ((overrides,),) = db.execute("select overrides from run where name = 'exgrpo'").fetchall()
+    assert json.loads(overrides)["experience_ratio"] == 0.25
+    assert json.loads(overrides)["start_threshold"] == 0.02
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    replayed = [m["batch/replayed_questions"] for m in metrics if m["phase/mixed"]]
+    assert replayed and max(replayed) <= 0.25 * 16  # a quarter of B = 16 at most
     curves = db.execute("select count(*) from run_metric").fetchone()[0]
     assert curves >= len(steps)
     assert "held-out accuracy" in proc.stderr and str(out) in proc.stderr
