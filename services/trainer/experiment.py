@@ -12,8 +12,9 @@ questions: differences between arms are paired per seed.
     OUT/results.json        the same numbers, machine-readable
     OUT/plots/*.png         learning curves (held-out accuracy and batch solved fraction vs rollouts)
 
-Finished runs (summary.json present) are kept, so an interrupted experiment continues where it
-stopped; `--report-only` rebuilds the table and plots from what is there.
+Finished runs (summary.json present) are kept and unfinished ones start again from scratch, so an
+interrupted experiment continues where it stopped; `--report-only` rebuilds the table and plots
+from what is there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -85,7 +87,9 @@ def _command(arm: Arm, seed: int, opts: ExperimentOptions, folder: Path) -> list
 
 def _launch(arm: Arm, seed: int, opts: ExperimentOptions) -> tuple[int, float]:
     folder = _run_dir(opts.out, arm.name, seed)
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.exists():  # a run that stopped before its summary: start it again from scratch
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "COLUMNS": "100"}
     started = time.perf_counter()
     with (folder / "run.log").open("w") as logf:
