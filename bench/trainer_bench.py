@@ -34,16 +34,22 @@ Memory: the RSS high-water mark of the trainer process (``getrusage``) and its c
 every step; then ``--trace-steps`` more steps under ``tracemalloc`` give the peak of Python-level
 allocations per step (those steps are slower and are left out of the timings).
 
-Candidate fixes are tried without touching the trainer: a mode such as ``grpo+reuse-old-lp`` runs
-the trainer with that change patched in from here (see "variants" below), and ``ab`` times, in one
-process and alternating call by call, the pieces of work that a fix changes.
+Candidate fixes are tried without touching the trainer: a mode such as ``grpo+no-fsdp`` runs
+the trainer with that change patched in from here (see "variants" below); a mode ending in ``@DIR``
+imports the trainer from DIR (another checkout), to compare two versions in one invocation. ``ab``
+times, in one process and alternating call by call, the pieces of work that a change affects, and
+``head-memory`` measures the peak memory of the scoring pass with the LM head over every position
+against the response positions only (SmolLM2-135M by default: a 49k-token vocabulary).
 
     .venv/bin/python bench/trainer_bench.py                    # both modes, 3 repeats each
     .venv/bin/python bench/trainer_bench.py --quick            # 1 repeat, fewer steps
-    .venv/bin/python bench/trainer_bench.py --modes grpo,grpo+reuse-old-lp --repeats 5
-    .venv/bin/python bench/trainer_bench.py ab                 # in-process A/B of candidate fixes
+    .venv/bin/python bench/trainer_bench.py --modes grpo,grpo+no-stats --repeats 5
+    .venv/bin/python bench/trainer_bench.py --modes 'grpo,old=grpo@/path/to/old-packages'
+    .venv/bin/python bench/trainer_bench.py ab                 # in-process A/B of changes
+    .venv/bin/python bench/trainer_bench.py head-memory        # peak memory of the LM head, SmolLM2
 
-Results: a table on stdout and ``bench/out/trainer_bench.json`` (``trainer_ab.json`` for ``ab``).
+Results: a table on stdout and ``bench/out/trainer_bench.json`` (``trainer_ab.json`` for ``ab``,
+``trainer_head_memory.json`` for ``head-memory``).
 ``bench/trl_compare.py`` reuses ``run_once`` (``python bench/trainer_bench.py _run ...``).
 """
 
@@ -256,13 +262,18 @@ class Probe:
 
 
 class _TimedModel:
-    """Stands in for the model inside `response_forward`: times the model call only."""
+    """Stands in for the model inside `response_forward`: times the model call only (which includes
+    the LM head over the response positions)."""
 
     def __init__(self, model: Any, probe: Probe) -> None:
+        self._model = model
         self._call = probe.wrap("model_forward", model)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
+
+    def get_output_embeddings(self) -> Any:
+        return self._model.get_output_embeddings()
 
 
 def instrument(trainer: Any, probe: Probe) -> Callable[[], None]:
@@ -363,8 +374,8 @@ def _rss_kb() -> int:
 
 # ---------------------------------------------------------------------------------- variants
 # Candidate fixes, tried from here on the unchanged trainer so their gain is measured end to end in
-# the same session as the baseline (`--modes grpo,grpo+reuse-old-lp,...`). Each names the change it
-# stands for in the trainer.
+# the same session as the baseline (`--modes grpo,grpo+no-stats,...`). Each names the change it
+# stands for in the trainer. Fixes that the trainer has taken up are no longer variants here.
 
 
 def _variant_no_fsdp(trainer_mod: Any) -> None:
@@ -383,133 +394,6 @@ def _variant_no_fsdp(trainer_mod: Any) -> None:
     trainer_mod.load_model = load_plain
 
 
-def _variant_reuse_old_lp(trainer: Any) -> None:
-    """Trainer.learn/_micro_step: with one mini-batch (and one rank) the update's forward runs on the
-    very weights that produced the rollouts, so pi_old = its log-probs, detached (as TRL does when
-    generation and optimisation are aligned): skip the separate no-grad `_score` pass and take the old
-    log-probs and entropies (for the commit) from the update's forward."""
-    import torch
-
-    if trainer.cfg.optim.mini_batches != 1:
-        raise ValueError("reuse-old-lp needs optim.mini_batches=1")
-    ctx: dict[str, Any] = {}
-    score, micro, loss = trainer._score, trainer._micro_step, trainer.loss
-
-    def learn_score(prompts: list[list[int]], responses: list[list[int]], *, with_entropy: bool) -> Any:
-        if not ctx.get("in_learn"):
-            return score(prompts, responses, with_entropy=with_entropy)
-        ctx["old_lp"] = [[0.0] * len(r) for r in responses]
-        ctx["old_ent"] = [[] for _ in responses]
-        return ctx["old_lp"], ctx["old_ent"]
-
-    def micro_step(rows: Any, old_lp: Any, adv: Any, chosen: list[int], *args: Any) -> Any:
-        ctx["chosen"], ctx["rows"] = chosen, rows
-        try:
-            return micro(rows, old_lp, adv, chosen, *args)
-        finally:
-            ctx.pop("chosen", None)
-
-    def reuse_loss(logprobs: Any, *, old_logprobs: Any, loss_mask: Any, entropy: Any, **kw: Any) -> Any:
-        if ctx.get("chosen") is not None:
-            lp = logprobs.detach()
-            old_logprobs = torch.where(loss_mask, lp, torch.zeros_like(lp))
-            ent = entropy.detach()
-            for j, i in enumerate(ctx["chosen"]):
-                n = len(ctx["rows"][i].response_ids)
-                ctx["old_lp"][i] = lp[j, :n].tolist()
-                ctx["old_ent"][i] = ent[j, :n].float().tolist()
-        return loss(logprobs, old_logprobs=old_logprobs, loss_mask=loss_mask, entropy=entropy, **kw)
-
-    learn = trainer.learn
-
-    def learn_once(rows: Any, mixed: bool) -> Any:
-        ctx["in_learn"] = True
-        try:
-            return learn(rows, mixed)
-        finally:
-            ctx["in_learn"] = False
-
-    trainer._score, trainer._micro_step, trainer.loss, trainer.learn = (
-        learn_score,
-        micro_step,
-        reuse_loss,
-        learn_once,
-    )
-
-
-def _variant_one_generate(trainer: Any) -> None:
-    """Trainer._generate_colocated: one `generate` call for the whole batch (each prompt repeated
-    as many times as it needs samples, n=1), instead of one call per distinct sample count (K-1 for
-    replayed questions, K for fresh ones), so the decode loop runs once per step."""
-    import torch
-
-    from exgrpo_rollout.engines.base import SamplingConfig
-    from exgrpo_trainer import trainer as trainer_mod
-
-    cfg = trainer.cfg
-
-    def generate(plan: Any, questions: list[Any], k: int) -> list[list[Any]]:
-        counts = [q.num_generations(k) for q in questions]
-        flat = [q.prompt_ids for q, n in zip(questions, counts, strict=True) for _ in range(n)]
-        sampling = SamplingConfig(
-            n=1,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            min_new_tokens=cfg.rollout.min_new_tokens,
-            seed=trainer_mod._seed(cfg.run.seed, plan.step, "all"),
-        )
-        with torch.no_grad():
-            res = iter(trainer.engine.generate(flat, sampling))
-        return [[next(res)[0] for _ in range(n)] for n in counts]
-
-    trainer._generate_colocated = generate
-
-
-def _variant_fused_adam(trainer_mod: Any) -> None:
-    """Trainer.__init__: `torch.optim.AdamW(..., fused=True)` (one fused kernel per step instead of
-    a Python loop over the parameters; TRL gets it from transformers' default `adamw_torch_fused`)."""
-    import torch
-
-    adamw = torch.optim.AdamW
-
-    class FusedAdamW(adamw):  # type: ignore[misc, valid-type]
-        def __init__(self, params: Any, **kw: Any) -> None:
-            super().__init__(params, fused=True, **kw)
-
-    trainer_mod.torch.optim.AdamW = FusedAdamW
-
-
-def _variant_no_sampler_stats(trainer_mod: Any) -> None:
-    """TransformersEngine (colocated use): skip the two logits processors that record every sampled
-    token's log-prob and every step's entropy. The trainer recomputes both in the old-log-prob pass
-    and uses neither for generated rows (only replayed rows' stored log-probs enter the loss), so in
-    colocated mode they are work without a reader; the fix is an engine flag the trainer turns off."""
-    del trainer_mod
-    import torch
-
-    from exgrpo_rollout.engines import hf
-
-    def no_entropy(self: Any, _input_ids: Any, scores: Any) -> Any:
-        self.steps.append(torch.zeros(scores.shape[0]))
-        return scores
-
-    def no_logprob(self: Any, _input_ids: Any, scores: Any) -> Any:
-        if self.prev is not None:
-            self.steps.append(self.prev)
-        self.prev = torch.zeros(scores.shape[0])
-        return scores
-
-    def finish(self: Any, _last_tokens: Any) -> None:
-        if self.prev is not None:
-            self.steps.append(self.prev)
-            self.prev = None
-
-    hf._RawEntropy.__call__ = no_entropy  # type: ignore[method-assign]
-    hf._SampledLogprob.__call__ = no_logprob  # type: ignore[method-assign]
-    hf._SampledLogprob.finish = finish  # type: ignore[method-assign]
-
-
 def _variant_no_stats(trainer: Any) -> None:
     """Trainer.train_step/_experience_stats: no run-stats request when experience is off (every
     value is 0 then); with experience on, the commit answer could carry them instead."""
@@ -518,13 +402,9 @@ def _variant_no_stats(trainer: Any) -> None:
 
 
 VARIANTS_BEFORE: dict[str, Callable[[Any], None]] = {
-    "fused-adam": _variant_fused_adam,
     "no-fsdp": _variant_no_fsdp,
-    "no-sampler-stats": _variant_no_sampler_stats,
 }
 VARIANTS_AFTER: dict[str, Callable[[Any], None]] = {
-    "reuse-old-lp": _variant_reuse_old_lp,
-    "one-generate": _variant_one_generate,
     "no-stats": _variant_no_stats,
 }
 
@@ -877,18 +757,37 @@ def _pairs(a: Callable[[], Any], b: Callable[[], Any], reps: int) -> dict[str, A
     }
 
 
+def full_logits_forward(
+    model: Any, input_ids: Any, attention_mask: Any, response_ids: Any, positions: Any, *, with_entropy: bool
+) -> tuple[Any, Any]:
+    """The trainer's scoring forward as it was before the LM head ran on response positions only:
+    logits of every position (prompt included), then the response positions gathered. The reference
+    side of the `head` A/B and of `head-memory`."""
+    from exgrpo_trainer.algo import token_entropy, token_logprobs
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    sel = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1])).float()
+    return token_logprobs(sel, response_ids), token_entropy(sel) if with_entropy else None
+
+
 def run_ab(p: Params, model_path: Path, reps: int) -> dict[str, dict[str, Any]]:
-    """In-process A/B checks of the candidate fixes that change how work is done (the others remove
-    a measured phase outright: see the step tables)."""
+    """In-process A/B checks of changes to how work is done: A = the other way, B = the way the
+    trainer does it now (or, for `no-fsdp`, a candidate the trainer does not take)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from exgrpo_rollout.engines import hf
     from exgrpo_rollout.engines.base import SamplingConfig
     from exgrpo_rollout.engines.hf import TransformersEngine
     from exgrpo_trainer import dist
     from exgrpo_trainer.algo import ExGRPOLoss, LossConfig
-    from exgrpo_trainer.model import load_model, load_tokenizer, pad_rows, response_forward, unsharded
+    from exgrpo_trainer.model import (
+        generation_view,
+        load_model,
+        load_tokenizer,
+        pad_rows,
+        response_forward,
+        unsharded,
+    )
 
     set_threads(p.threads)
     device = dist.init()
@@ -897,10 +796,15 @@ def run_ab(p: Params, model_path: Path, reps: int) -> dict[str, dict[str, Any]]:
     plain_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     plain_model.config.use_cache = True
     opt = {
-        "fsdp": torch.optim.AdamW(fsdp_model.parameters(), lr=p.lr),
-        "plain": torch.optim.AdamW(plain_model.parameters(), lr=p.lr),
+        "fsdp": torch.optim.AdamW(fsdp_model.parameters(), lr=p.lr, fused=True),
+        "plain": torch.optim.AdamW(plain_model.parameters(), lr=p.lr, fused=True),
     }
-    engines = {m: TransformersEngine(x, tok) for m, x in (("fsdp", fsdp_model), ("plain", plain_model))}
+    # "fsdp": generating through the sharded module's own forward (FSDP2 hooks on every call), as the
+    # trainer did; "view": through its hook-free generation view, as it does now
+    engines = {
+        "fsdp": TransformersEngine(fsdp_model, tok, record=False),
+        "view": TransformersEngine(generation_view(fsdp_model), tok, record=False),
+    }
     qs = questions(p.questions)[: p.questions_per_step]
     prompts = []
     for q in qs:
@@ -914,12 +818,12 @@ def run_ab(p: Params, model_path: Path, reps: int) -> dict[str, dict[str, Any]]:
     adv = torch.randn(len(rows_r))
     out: dict[str, dict[str, Any]] = {}
 
-    def update(name: str) -> Callable[[], None]:
+    def update(name: str, forward: Callable[..., Any] = response_forward) -> Callable[[], None]:
         model = fsdp_model if name == "fsdp" else plain_model
 
         def step() -> None:
             ids, att, rids, rmask, pos = pad_rows(rows_p, rows_r, int(tok.pad_token_id), device)
-            lp, ent = response_forward(model, ids, att, rids, pos, with_entropy=True)
+            lp, ent = forward(model, ids, att, rids, pos, with_entropy=True)
             zeros = torch.zeros_like(lp)
             loss, _ = loss_fn(
                 lp.float(),
@@ -939,70 +843,114 @@ def run_ab(p: Params, model_path: Path, reps: int) -> dict[str, dict[str, Any]]:
 
         return step
 
-    def generate(name: str) -> Callable[[], None]:
+    def generate(engine: Any, model: Any, jobs: list[tuple[list[list[int]], Any]]) -> Callable[[], None]:
         def call() -> None:
-            model = fsdp_model if name == "fsdp" else plain_model
             with unsharded(model), torch.no_grad():
-                engines[name].generate(prompts, sampling)
+                for job_prompts, job_sampling in jobs:
+                    engine.generate(job_prompts, job_sampling)
 
         return call
 
-    print("[trainer-bench ab] update step: FSDP2 at world size 1 (A) vs plain module (B)", file=sys.stderr)
-    out["no-fsdp: update (fwd+loss+bwd+optimizer)"] = _pairs(update("fsdp"), update("plain"), reps)
-    fused = torch.optim.AdamW(fsdp_model.parameters(), lr=p.lr, fused=True)
-    for x in fsdp_model.parameters():  # gradients for the optimizer steps below
-        x.grad = torch.randn_like(x) * 1e-3
+    def say(what: str) -> None:
+        print(f"[trainer-bench ab] {what}", file=sys.stderr, flush=True)
 
-    def adam_step(o: Any) -> Callable[[], None]:
-        return lambda: o.step()
-
-    print("[trainer-bench ab] optimizer step: AdamW for-loop (A) vs fused (B)", file=sys.stderr)
-    out["fused-adam: optimizer step"] = _pairs(adam_step(opt["fsdp"]), adam_step(fused), reps * 4)
-    fsdp_model.zero_grad(set_to_none=True)
-    print("[trainer-bench ab] generate: FSDP2 (A) vs plain (B)", file=sys.stderr)
-    out["no-fsdp: generate"] = _pairs(generate("fsdp"), generate("plain"), max(3, reps // 2))
-
-    saved = (hf._RawEntropy.__call__, hf._SampledLogprob.__call__, hf._SampledLogprob.finish)
-
-    def with_stats() -> None:
-        hf._RawEntropy.__call__, hf._SampledLogprob.__call__, hf._SampledLogprob.finish = saved
-        generate("fsdp")()
-
-    def without_stats() -> None:
-        _variant_no_sampler_stats(None)
-        try:
-            generate("fsdp")()
-        finally:
-            hf._RawEntropy.__call__, hf._SampledLogprob.__call__, hf._SampledLogprob.finish = saved
-
-    print(
-        "[trainer-bench ab] generate: sampler log-prob/entropy processors on (A) vs off (B)", file=sys.stderr
+    say("update step: LM head over every position (A) vs over response positions only (B)")
+    out["head: update (fwd+loss+bwd+optimizer)"] = _pairs(
+        update("fsdp", full_logits_forward), update("fsdp"), reps
     )
-    out["no-sampler-stats: generate"] = _pairs(with_stats, without_stats, max(3, reps // 2))
-
+    say("update step: FSDP2 at world size 1 (A) vs plain module (B)")
+    out["no-fsdp: update (fwd+loss+bwd+optimizer)"] = _pairs(update("fsdp"), update("plain"), reps)
+    gen_reps = max(3, reps // 2)
+    say("generate: the FSDP2 module with its hooks (A) vs the hook-free generation view (B)")
+    out["view: generate"] = _pairs(
+        generate(engines["fsdp"], fsdp_model, [(prompts, sampling)]),
+        generate(engines["view"], fsdp_model, [(prompts, sampling)]),
+        gen_reps,
+    )
+    say("generate: sampler log-prob/entropy processors on (A) vs off (B)")
+    recording = TransformersEngine(generation_view(fsdp_model), tok)
+    out["record off: generate"] = _pairs(
+        generate(recording, fsdp_model, [(prompts, sampling)]),
+        generate(engines["view"], fsdp_model, [(prompts, sampling)]),
+        gen_reps,
+    )
     half = len(prompts) // 2
-    seven = SamplingConfig(
+    fewer = SamplingConfig(
         n=p.k - 1, max_new_tokens=p.max_new_tokens, min_new_tokens=p.max_new_tokens, seed=2
     )
     one = SamplingConfig(n=1, max_new_tokens=p.max_new_tokens, min_new_tokens=p.max_new_tokens, seed=3)
     flat = [x for x in prompts[:half] for _ in range(p.k - 1)] + [
         x for x in prompts[half:] for _ in range(p.k)
     ]
-
-    def two_calls() -> None:
-        with unsharded(fsdp_model), torch.no_grad():
-            engines["fsdp"].generate(prompts[:half], seven)
-            engines["fsdp"].generate(prompts[half:], sampling)
-
-    def one_call() -> None:
-        with unsharded(fsdp_model), torch.no_grad():
-            engines["fsdp"].generate(flat, one)
-
-    print(
-        "[trainer-bench ab] mixed-phase generate: 2 calls (n=K-1, n=K) (A) vs 1 flat call (B)",
-        file=sys.stderr,
+    say("mixed-phase generate: 2 calls (n=K-1, n=K) (A) vs 1 call with a row per sample (B)")
+    out["one call: mixed-phase generate"] = _pairs(
+        generate(engines["view"], fsdp_model, [(prompts[:half], fewer), (prompts[half:], sampling)]),
+        generate(engines["view"], fsdp_model, [(flat, one)]),
+        gen_reps,
     )
-    out["one-generate: mixed-phase generate"] = _pairs(two_calls, one_call, max(3, reps // 2))
+    return out
+
+
+# ------------------------------------------------------------------------- LM head memory
+HEAD_PATHS = ("full", "response")
+
+
+def head_memory_once(
+    path: str, model_path: Path, rows: int, prompt_len: int, response_len: int
+) -> dict[str, Any]:
+    """One forward + backward of the scoring pass over `rows` rows of `prompt_len` + `response_len`
+    random tokens, with the LM head over every position (`full`) or the response positions only
+    (`response`), in this process. Returns the RSS before the pass and the high-water mark after."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from exgrpo_trainer.model import pad_rows, response_forward
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(0, vocab, (rows, prompt_len)).tolist()
+    responses = torch.randint(0, vocab, (rows, response_len)).tolist()
+    batch = pad_rows(prompts, responses, 0, torch.device("cpu"))
+    forward = full_logits_forward if path == "full" else response_forward
+    before_kb = _rss_kb()
+    peak_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    lp, ent = forward(model, *batch[:3], batch[4], with_entropy=True)
+    (lp[batch[3]].sum() + 0.001 * ent[batch[3]].sum()).backward()
+    return {
+        "path": path,
+        "vocab": vocab,
+        "rss_before_mb": before_kb / 1024,
+        "peak_before_mb": peak_before_kb / 1024,
+        "peak_after_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "seconds": time.perf_counter() - t,
+    }
+
+
+def run_head_memory(
+    model_path: Path, rows: int, prompt_len: int, response_len: int, threads: int
+) -> dict[str, Any]:
+    """`head_memory_once` for both paths, each in a fresh process (its own high-water mark).
+
+    glibc serves large allocations from its heap once its mmap threshold has adapted upwards, and
+    reuses that memory in ways that make the RSS high-water mark depend on allocation order; a
+    fixed threshold of 128 KiB gives every tensor larger than that its own mapping, returned to the
+    system when freed, so the high-water mark is the peak of live tensors (plus a fixed base)."""
+    out: dict[str, Any] = {}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),
+    }
+    for path in HEAD_PATHS:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "result.json"
+            args = [str(model_path), str(rows), str(prompt_len), str(response_len), str(result)]
+            cmd = [sys.executable, str(Path(__file__).resolve()), "_head", path, *args]
+            subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+            out[path] = json.loads(result.read_text())
     return out
 
 
@@ -1025,7 +973,15 @@ def child_env(p: Params) -> dict[str, str]:
 
 
 def spawn_run(mode: str, p: Params, model: Path, folder: Path) -> dict[str, Any]:
-    """`run_once` in a fresh interpreter (its own RSS high-water mark and torch state)."""
+    """`run_once` in a fresh interpreter (its own RSS high-water mark and torch state).
+
+    A mode may end in `@DIR`: that run imports the `exgrpo_*` packages from DIR first (put at the
+    front of PYTHONPATH), e.g. a folder of links to another checkout's packages, so two versions of
+    the trainer can be measured in the same invocation."""
+    mode, _, source = mode.partition("@")
+    env = child_env(p)
+    if source:
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (source, env.get("PYTHONPATH", "")) if x)
     out = folder / "result.json"
     cmd = [
         sys.executable,
@@ -1042,7 +998,7 @@ def spawn_run(mode: str, p: Params, model: Path, folder: Path) -> dict[str, Any]
         "--json",
         str(out),
     ]
-    subprocess.run(cmd, check=True, cwd=ROOT, env=child_env(p))
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     return json.loads(out.read_text())
 
 
@@ -1095,7 +1051,44 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(json.dumps(result, indent=1))
         return 0
 
-    if argv and argv[0] == "ab":  # in-process A/B checks of candidate fixes
+    if argv and argv[0] == "_head":  # one path of head-memory in this process
+        path, model, rows, prompt_len, response_len, out = argv[1:7]
+        res = head_memory_once(path, Path(model), int(rows), int(prompt_len), int(response_len))
+        Path(out).write_text(json.dumps(res))
+        return 0
+
+    if argv and argv[0] == "head-memory":  # peak memory of the scoring pass, LM head over all vs responses
+        ap = argparse.ArgumentParser(prog="trainer_bench.py head-memory")
+        ap.add_argument("--model", type=Path, default=ROOT / "exgrpo-data/cache/smollm2-135m-instruct")
+        ap.add_argument("--rows", type=int, default=8)
+        ap.add_argument("--prompt-len", type=int, default=192)
+        ap.add_argument("--response-len", type=int, default=64)
+        ap.add_argument("--threads", type=int, default=1)
+        ap.add_argument("--out", type=Path, default=OUT / "trainer_head_memory.json")
+        args = ap.parse_args(argv[1:])
+        res = run_head_memory(args.model, args.rows, args.prompt_len, args.response_len, args.threads)
+        print(
+            f"{args.model.name}: {args.rows} rows x ({args.prompt_len} prompt + {args.response_len} "
+            f"response) tokens, vocabulary {res['full']['vocab']}, one forward + backward"
+        )
+        for path in HEAD_PATHS:
+            r = res[path]
+            grew = r["peak_after_mb"] - r["rss_before_mb"]
+            note = (
+                ""
+                if r["peak_after_mb"] > r["peak_before_mb"]
+                else " (below the load-time peak: inconclusive)"
+            )
+            print(
+                f"  LM head over {path:<8} positions: peak +{grew:7.0f} MB over the RSS before, "
+                f"{r['seconds']:.1f} s{note}"
+            )
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+        print(f"wrote {args.out}")
+        return 0
+
+    if argv and argv[0] == "ab":  # in-process A/B checks of changes
         ap = argparse.ArgumentParser(prog="trainer_bench.py ab")
         add_workload_args(ap)
         ap.add_argument("--reps", type=int, default=12)
@@ -1113,21 +1106,34 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(ap)
-    ap.add_argument("--modes", default="exgrpo,grpo")
+    ap.add_argument(
+        "--modes",
+        default="exgrpo,grpo",
+        help="comma-separated modes (exgrpo or grpo, +variants, optionally @DIR), each optionally "
+        "labelled: label=mode",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=OUT / "trainer_bench.json")
     args = ap.parse_args(argv)
     p = params_from_args(args)
     repeats = 1 if args.quick else args.repeats
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    specs: dict[str, str] = {}  # label -> mode
+    for item in (x.strip() for x in args.modes.split(",")):
+        if item:
+            label, _, mode = item.rpartition("=")
+            parse_mode(mode.partition("@")[0])  # fail early on a bad name
+            specs[label or mode] = mode
+    modes = list(specs)
     info = machine()
     model = ensure_model(p)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    WORK.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="trainer-bench-", dir=WORK) as tmp:
         for r in range(repeats):
             for m in modes if r % 2 == 0 else list(reversed(modes)):
                 print(f"[trainer-bench] repeat {r + 1}/{repeats}: {m}", file=sys.stderr, flush=True)
-                runs[m].append(spawn_run(m, p, model, Path(tmp) / f"{m}-{r}"))
+                folder = Path(tmp) / f"mode{modes.index(m)}-{r}"
+                runs[m].append(spawn_run(specs[m], p, model, folder))
     results = {m: combine(rs) for m, rs in runs.items()}
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     table = format_table(results)

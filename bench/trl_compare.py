@@ -28,7 +28,7 @@ median is taken. The breakdown on the TRL side comes from wrappers installed fro
     bash bench/setup_trl_env.sh                      # once
     .venv/bin/python bench/trl_compare.py            # 3 rounds
     .venv/bin/python bench/trl_compare.py --quick    # 1 round, 4 measured steps
-    .venv/bin/python bench/trl_compare.py --extra 'grpo*=grpo+reuse-old-lp,exgrpo*=exgrpo+one-generate'
+    .venv/bin/python bench/trl_compare.py --extra 'grpo*=grpo+no-fsdp'
                                                      # + our trainer with candidate fixes each round
 
 Results: a table on stdout and ``bench/out/trl_compare.json``.
@@ -350,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         "--extra",
         default="",
         help="more runs of ours per round: comma-separated trainer_bench modes, each optionally "
-        "labelled (e.g. grpo*=grpo+reuse-old-lp+no-fsdp)",
+        "labelled (e.g. grpo*=grpo+no-fsdp+no-stats); a mode ending in @DIR imports the trainer "
+        "from DIR first (e.g. before=grpo@/tmp/old-checkout-packages)",
     )
     ap.add_argument("--out", type=Path, default=tb.OUT / "trl_compare.json")
     args = ap.parse_args(argv)
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in (x.strip() for x in args.extra.split(",")):
         if item:
             label, _, mode = item.rpartition("=")
-            tb.parse_mode(mode)  # fail early on a bad name
+            tb.parse_mode(mode.partition("@")[0])  # fail early on a bad name
             modes[f"ours/{label or mode}"] = mode
     sides = [*SIDES, *(m for m in modes if m not in SIDES)]
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}

@@ -42,7 +42,15 @@ from exgrpo_trainer.algo import (
 )
 from exgrpo_trainer.checkpoint import Checkpointer
 from exgrpo_trainer.config import TrainConfig
-from exgrpo_trainer.model import load_model, load_tokenizer, pad_rows, response_forward, save_hf, unsharded
+from exgrpo_trainer.model import (
+    generation_view,
+    load_model,
+    load_tokenizer,
+    pad_rows,
+    response_forward,
+    save_hf,
+    unsharded,
+)
 from exgrpo_trainer.telemetry import MetricsLogger
 
 log = logging.getLogger("exgrpo.trainer")
@@ -111,10 +119,11 @@ class Trainer:
                 "loss.kl_coeff > 0 needs a reference model, which this trainer does not load yet"
             )
         self.engine = TransformersEngine(
-            self.model,
+            generation_view(self.model),  # computes with the weights that `unsharded` gathers
             self.tokenizer,
             max_batch_rows=cfg.rollout.max_batch_rows,
             synced_gpus=dist.world() > 1,
+            record=False,  # the update recomputes log-probs and entropies of every generated row
         )
         self.pad_id = int(self.tokenizer.pad_token_id)
         self._owns_client = client is None  # a client passed in stays open for its owner
@@ -394,9 +403,11 @@ class Trainer:
             replay_rewards = flat[len(items) :]
         rewards, replay_rewards = dist.broadcast((rewards, replay_rewards))
         assert rewards is not None and replay_rewards is not None
+        # the colocated engine records no sampler log-probs (None then); no loss term reads them for
+        # generated rows, which are scored against pi_old
         generated = [
             [
-                Completion(response_ids=c.token_ids, reward=r, logprobs=c.logprobs)
+                Completion(response_ids=c.token_ids, reward=r, logprobs=c.logprobs or None)
                 for c, r in zip(cs, rs, strict=True)
             ]
             for cs, rs in zip(gen, rewards, strict=True)
@@ -431,27 +442,29 @@ class Trainer:
     def _generate_colocated(
         self, plan: s.BatchPlan, questions: list[PlannedQuestion], k: int
     ) -> list[list[Any]]:
+        """All samples of the step in one `generate` call: each prompt repeated once per sample it
+        needs (K for a fresh question, K-1 for a replayed one), one sample per row, so the decode
+        loop runs once per step whatever the mix. The rows are split evenly over the ranks."""
+        slots = [i for i, q in enumerate(questions) for _ in range(q.num_generations(k))]
         out: list[list[Any]] = [[] for _ in questions]
-        for n in sorted({q.num_generations(k) for q in questions}):
-            idx = [i for i, q in enumerate(questions) if q.num_generations(k) == n]
-            mine, per = _split(idx, dist.world(), dist.rank())
-            if per == 0:
-                continue
-            mine += [idx[0]] * (per - len(mine))  # equal work on every rank (throw-away pads)
-            sampling = SamplingConfig(
-                n=n,
-                temperature=self.cfg.rollout.temperature,
-                top_p=self.cfg.rollout.top_p,
-                max_new_tokens=self.cfg.rollout.max_new_tokens,
-                min_new_tokens=self.cfg.rollout.min_new_tokens,
-                seed=_seed(self.cfg.run.seed, plan.step, n, dist.rank()),
-            )
-            with unsharded(self.model), torch.no_grad():
-                res = self.engine.generate([questions[i].prompt_ids for i in mine], sampling)
-            gathered = dist.gather(res)
-            flat = [cs for part in gathered for cs in part][: len(idx)]
-            for i, cs in zip(idx, flat, strict=True):
-                out[i] = cs
+        mine, per = _split(slots, dist.world(), dist.rank())
+        if per == 0:
+            return out
+        mine += [slots[0]] * (per - len(mine))  # equal work on every rank (throw-away pads)
+        sampling = SamplingConfig(
+            n=1,
+            temperature=self.cfg.rollout.temperature,
+            top_p=self.cfg.rollout.top_p,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            min_new_tokens=self.cfg.rollout.min_new_tokens,
+            seed=_seed(self.cfg.run.seed, plan.step, "generate", dist.rank()),
+        )
+        with unsharded(self.model), torch.no_grad():
+            res = self.engine.generate([questions[i].prompt_ids for i in mine], sampling)
+        gathered = dist.gather([cs[0] for cs in res])
+        flat = [c for part in gathered for c in part][: len(slots)]
+        for i, c in zip(slots, flat, strict=True):
+            out[i].append(c)
         return out
 
     def _remote_completions(self, plan: s.BatchPlan, questions: list[PlannedQuestion]) -> list[list[Any]]:
@@ -551,24 +564,51 @@ class Trainer:
     ) -> tuple[list[list[float]], list[list[float]], dict[str, float]]:
         """Old log-probs (pi_old) and entropies of `rows`, advantages, and the policy update of
         this step. Every rank calls it with the same rows. Returns (old log-probs, old entropies,
-        update metrics)."""
+        update metrics).
+
+        pi_old is the policy before the step's first optimizer step, so the first mini-batch takes
+        it from its own update forward, detached (the same weights give the same numbers, without a
+        second forward pass); only the rows of later mini-batches are scored beforehand."""
+        parts = self._mini_batches(len(rows))
+        old_lp: list[list[float]] = [[] for _ in rows]
+        old_ent: list[list[float]] = [[] for _ in rows]
         with self._timed("old_logprob"):
-            old_lp, old_ent = self._score(
-                [r.prompt_ids for r in rows], [r.response_ids for r in rows], with_entropy=True
-            )
+            later = sorted(i for part in parts[1:] for i in part)
+            if later:
+                lp, ent = self._score(
+                    [rows[i].prompt_ids for i in later],
+                    [rows[i].response_ids for i in later],
+                    with_entropy=True,
+                )
+                for i, row_lp, row_ent in zip(later, lp, ent, strict=True):
+                    old_lp[i], old_ent[i] = row_lp, row_ent
         adv = row_advantages(rows, use_std=self.cfg.loss.advantage_std)
         with self._timed("update"):
-            update_metrics = self._update(rows, old_lp, adv, mixed)
+            update_metrics, first = self._update(rows, parts, old_lp, adv, mixed)
+        for i, (row_lp, row_ent) in first.items():
+            old_lp[i], old_ent[i] = row_lp, row_ent
         return old_lp, old_ent, update_metrics
 
+    def _mini_batches(self, num_rows: int) -> list[list[int]]:
+        """Row indices of the step's mini-batches: a seeded shuffle, dealt round-robin."""
+        m = self.cfg.optim.mini_batches
+        rng = np.random.default_rng(_seed(self.cfg.run.seed, self.step + 1, "minibatch"))
+        order = rng.permutation(num_rows).tolist()
+        return [order[i::m] for i in range(m)]
+
     def _update(
-        self, rows: list[Row], old_lp: list[list[float]], adv: list[float], mixed: bool
-    ) -> dict[str, float]:
+        self,
+        rows: list[Row],
+        parts: list[list[int]],
+        old_lp: list[list[float]],
+        adv: list[float],
+        mixed: bool,
+    ) -> tuple[dict[str, float], dict[int, tuple[list[float], list[float]]]]:
+        """The optimizer steps, one per mini-batch. Returns the update metrics, and the log-probs and
+        entropies of the first mini-batch's rows (its pi_old, from its update forward)."""
         cfg = self.cfg
-        rng = np.random.default_rng(_seed(cfg.run.seed, self.step + 1, "minibatch"))
-        order = rng.permutation(len(rows)).tolist()
-        parts = [order[i :: cfg.optim.mini_batches] for i in range(cfg.optim.mini_batches)]
         collected: list[dict[str, float]] = []
+        first: dict[int, tuple[list[float], list[float]]] = {}
         stats: dict[str, float] = {"optim/skipped": 0.0, "optim/grad_norm": 0.0}
         for index, part in enumerate(parts):
             if not part:
@@ -580,7 +620,8 @@ class Trainer:
             mbs += [[]] * (count - len(mbs))
             for mb in mbs:
                 chosen = [mine[j] for j in mb]
-                m = self._micro_step(rows, old_lp, adv, chosen, mixed, max(n_tokens, 1.0))
+                record = first if index == 0 else None
+                m = self._micro_step(rows, old_lp, adv, chosen, mixed, max(n_tokens, 1.0), record)
                 if m:
                     m["_minibatch"] = float(index)
                     collected.append(m)
@@ -593,9 +634,10 @@ class Trainer:
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        merged = self._merge_metrics(dist.gather(collected))
+        gathered = dist.gather((collected, first))
+        merged = self._merge_metrics([metrics for metrics, _ in gathered])
         merged.update(stats)
-        return merged
+        return merged, {i: v for _, part in gathered for i, v in part.items()}
 
     def _micro_step(
         self,
@@ -605,7 +647,11 @@ class Trainer:
         chosen: list[int],
         mixed: bool,
         n_tokens: float,
+        record: dict[int, tuple[list[float], list[float]]] | None = None,
     ) -> dict[str, float]:
+        """Forward, loss and backward of one micro-batch. With `record` (the first mini-batch, before
+        any optimizer step of this step), pi_old is this forward's own log-probs, detached, and the
+        rows' log-probs and entropies are stored in `record`; otherwise pi_old is `old_lp`."""
         dummy = not chosen
         if dummy:  # keep the collectives in step with the other ranks; contributes no gradient
             chosen = [0]
@@ -623,7 +669,16 @@ class Trainer:
                     t[j, : len(v)] = torch.tensor(v[:width], dtype=torch.float32)
             return t.to(self.device)
 
-        old = padded([old_lp[i] for i in chosen])
+        if record is None:
+            old = padded([old_lp[i] for i in chosen])
+        else:
+            old = torch.where(rmask, lp.detach(), 0.0)
+            if not dummy:
+                assert ent is not None
+                lp_rows, ent_rows = lp.detach().float().cpu(), ent.detach().float().cpu()
+                for j, i in enumerate(chosen):
+                    n = len(rows[i].response_ids)
+                    record[i] = (lp_rows[j, :n].tolist(), ent_rows[j, :n].tolist())
         past = padded([r.behaviour_logprobs if r.replayed else None for r in sel])
         replay_mask = torch.tensor([[r.replayed] for r in sel], device=self.device).expand_as(rmask) & rmask
         advantages = torch.tensor([adv[i] for i in chosen], dtype=torch.float32, device=self.device)

@@ -5,6 +5,10 @@ time, so memory stays at one [rows, vocab] matrix instead of all steps' logits:
 - before temperature/top-p: the entropy of the raw next-token distribution;
 - after them: the log-softmax of the sampling distribution, from which the next step reads the
   log-prob of the token that was just sampled (the last one is read after generation).
+
+A caller that recomputes both quantities itself (the trainer's colocated engine, which scores every
+row before its update) builds the engine with `record=False`: then neither processor runs, and the
+completions carry empty `logprobs` and no `entropies`.
 """
 
 from __future__ import annotations
@@ -64,14 +68,19 @@ class TransformersEngine:
         max_batch_rows: int = 256,
         synced_gpus: bool = False,
         decode: bool = True,
+        record: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
         self.synced_gpus = synced_gpus
         self.decode = decode
-        eos = tokenizer.eos_token_id if model.generation_config.eos_token_id is None else (
-            model.generation_config.eos_token_id)
+        self.record = record  # per-token log-probs and entropies (see the module docstring)
+        eos = (
+            tokenizer.eos_token_id
+            if model.generation_config.eos_token_id is None
+            else (model.generation_config.eos_token_id)
+        )
         self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         pad = tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
@@ -107,55 +116,77 @@ class TransformersEngine:
             if generator_state is not None:
                 torch.random.set_rng_state(generator_state)
         tokens = sum(len(c.token_ids) for cs in out for c in cs)
-        self._stats = GenerationStats(prompts=len(prompts), completions=len(prompts) * sampling.n,
-                                      generated_tokens=tokens, seconds=time.perf_counter() - start)
+        self._stats = GenerationStats(
+            prompts=len(prompts),
+            completions=len(prompts) * sampling.n,
+            generated_tokens=tokens,
+            seconds=time.perf_counter() - start,
+        )
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):  # left padding: generation continues at the right edge
-            ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[row, width - len(p) :] = 1
+        # left padding: generation continues at the right edge
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        mask = (
+            torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]
+        ).long()
         entropy, sampled = _RawEntropy(), _SampledLogprob()
-        processors: list[Any] = [entropy]
+        processors: list[Any] = [entropy] if self.record else []
         if sampling.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(sampling.temperature))
         if sampling.top_p < 1.0:
             processors.append(TopPLogitsWarper(sampling.top_p))
-        processors.append(sampled)
+        if self.record:
+            processors.append(sampled)
         config = GenerationConfig(
-            do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=sampling.max_new_tokens,
-            min_new_tokens=sampling.min_new_tokens, num_return_sequences=sampling.n,
-            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids) or None,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=sampling.min_new_tokens,
+            num_return_sequences=sampling.n,
+            pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids) or None,
         )
         dev = self.device
         seqs = self.model.generate(
-            input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=config,
-            logits_processor=LogitsProcessorList(processors), synced_gpus=self.synced_gpus,
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            generation_config=config,
+            logits_processor=LogitsProcessorList(processors),
+            synced_gpus=self.synced_gpus,
         )
         new = seqs[:, width:].cpu()
         if new.shape[1] == 0:
             raise RuntimeError("generation produced no tokens")
-        sampled.finish(seqs[:, -1])
-        logps = torch.stack(sampled.steps, dim=1).cpu()[:, : new.shape[1]]
-        ents = torch.stack(entropy.steps, dim=1).cpu()[:, : new.shape[1]]
+        logps = ents = None
+        if self.record:
+            sampled.finish(seqs[:, -1])
+            logps = torch.stack(sampled.steps, dim=1).cpu()[:, : new.shape[1]]
+            ents = torch.stack(entropy.steps, dim=1).cpu()[:, : new.shape[1]]
+        kept: list[list[int]] = []
+        stopped: list[bool] = []
+        for toks in new.tolist():
+            end = next((t + 1 for t, tok in enumerate(toks) if tok in self.eos_ids), None)
+            kept.append(toks if end is None else toks[:end])
+            stopped.append(end is not None)
+        texts = self.tokenizer.batch_decode(kept, skip_special_tokens=False) if self.decode else None
         results: list[list[Completion]] = []
         for p in range(len(prompts)):
             group = []
             for j in range(sampling.n):
                 row = p * sampling.n + j
-                toks = new[row].tolist()
-                end = next((t + 1 for t, tok in enumerate(toks) if tok in self.eos_ids), None)
-                n_tok = len(toks) if end is None else end
-                kept = toks[:n_tok]
-                group.append(Completion(
-                    token_ids=kept,
-                    logprobs=logps[row, :n_tok].tolist(),
-                    entropies=ents[row, :n_tok].tolist(),
-                    finish_reason="length" if end is None else "stop",
-                    text=self.tokenizer.decode(kept, skip_special_tokens=False) if self.decode else "",
-                ))
+                n_tok = len(kept[row])
+                group.append(
+                    Completion(
+                        token_ids=kept[row],
+                        logprobs=logps[row, :n_tok].tolist() if logps is not None else [],
+                        entropies=ents[row, :n_tok].tolist() if ents is not None else None,
+                        finish_reason="stop" if stopped[row] else "length",
+                        text=texts[row] if texts is not None else "",
+                    )
+                )
             results.append(group)
         return results
