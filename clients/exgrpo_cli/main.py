@@ -270,7 +270,7 @@ def experiment(
         str,
         typer.Option(
             help="Comma-separated arms: grpo, exgrpo, choice-random, buckets-uniform, "
-            "ratio-0.25, ratio-0.75, no-delayed-start (default: all)."
+            "ratio-0.25, ratio-0.75, no-delayed-start, delayed-start-0.6 (default: all)."
         ),
     ] = "all",
     rollouts: Annotated[int, typer.Option(min=1, help="Rollout budget of every run.")] = 7680,

@@ -53,6 +53,9 @@ ARMS: tuple[Arm, ...] = (
     Arm("ratio-0.25", ("experience.ratio=0.25",), "ExGRPO, experience ratio 0.25"),
     Arm("ratio-0.75", ("experience.ratio=0.75",), "ExGRPO, experience ratio 0.75"),
     Arm("no-delayed-start", ("experience.start_threshold=0",), "ExGRPO, mixed from the first solved batch"),
+    # the warm-started model solves ~45% of its first batch, past the default 0.35, so the default run
+    # switches after step 1 like no-delayed-start; a later switch shows what delaying does here
+    Arm("delayed-start-0.6", ("experience.start_threshold=0.6",), "ExGRPO, switch when a batch solves > 60%"),
 )
 ARM_NAMES = tuple(a.name for a in ARMS)
 
