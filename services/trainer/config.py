@@ -46,6 +46,9 @@ class ModelSection(_Section):
     """Parameter dtype for compute: auto = bfloat16 mixed precision on GPU, float32 on CPU."""
     activation_checkpointing: bool = False
     """Recompute decoder layers in backward to save memory."""
+    reference_path: Path | None = None
+    """Reference model of the KL term (only loaded when loss.kl_coeff > 0); default: model.path,
+    the starting weights."""
     max_prompt_len: int = Field(1024, ge=8)
     """Prompts longer than this (after the chat template) are cut from the left."""
     drop_system_prompt: bool = False

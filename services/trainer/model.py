@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -38,7 +39,8 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = True
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in _decoder_layers(model):
+            checkpoint_layer(layer)
     model.to(device)
     bf16 = device.type == "cuda" and dtype in ("auto", "bfloat16")
     mp = (
@@ -106,6 +108,21 @@ def _bind(view: torch.nn.Module, model: torch.nn.Module) -> None:
             slots = getattr(view.get_submodule(owner), kind)
             assert leaf in slots, f"{name} is not in the generation view of {type(model).__name__}"
             slots[leaf] = tensor
+
+
+def checkpoint_layer(layer: torch.nn.Module) -> None:
+    """Recompute `layer` in backward instead of keeping its activations, whenever autograd records
+    (transformers' own option only acts in training mode, and the trainer keeps the model in eval
+    mode so dropout stays off). The layer's `forward` is wrapped in place, so parameter names, FSDP2
+    sharding and saved checkpoints stay as they are; no-grad passes run the layer once as usual."""
+    inner = layer.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = forward  # type: ignore[method-assign]
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

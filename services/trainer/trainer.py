@@ -114,10 +114,15 @@ class Trainer:
                 exp_is_correct=cfg.loss.exp_is_correct,
             )
         )
+        self.ref_model: torch.nn.Module | None = None
         if cfg.loss.kl_coeff > 0:
-            raise ValueError(
-                "loss.kl_coeff > 0 needs a reference model, which this trainer does not load yet"
-            )
+            # frozen, sharded like the policy; not checkpointed (it is reloaded from its folder)
+            self.ref_model = load_model(
+                cfg.model.reference_path or cfg.model.path,
+                self.device,
+                dtype=cfg.model.dtype,
+                activation_checkpointing=False,
+            ).requires_grad_(False)
         self.engine = TransformersEngine(
             generation_view(self.model),  # computes with the weights that `unsharded` gathers
             self.tokenizer,
@@ -526,9 +531,16 @@ class Trainer:
         return batches
 
     def _score(
-        self, prompts: list[list[int]], responses: list[list[int]], *, with_entropy: bool
+        self,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        *,
+        with_entropy: bool,
+        model: torch.nn.Module | None = None,
     ) -> tuple[list[list[float]], list[list[float]]]:
-        """Response log-probs (and entropies) of every row under the current weights, no grad."""
+        """Response log-probs (and entropies) of every row under the current weights (or `model`'s),
+        no grad."""
+        model = self.model if model is None else model
         idx = list(range(len(prompts)))
         mine, per = _split(idx, dist.world(), dist.rank())
         if per == 0:
@@ -545,7 +557,7 @@ class Trainer:
                 ids, att, rids, _rmask, pos = pad_rows(
                     [prompts[i] for i in rows], [responses[i] for i in rows], self.pad_id, self.device
                 )
-                lp, ent = response_forward(self.model, ids, att, rids, pos, with_entropy=with_entropy)
+                lp, ent = response_forward(model, ids, att, rids, pos, with_entropy=with_entropy)
                 for j, i in enumerate(rows):
                     n = len(responses[i])
                     lp_out[i] = lp[j, :n].float().cpu().tolist()
@@ -582,9 +594,18 @@ class Trainer:
                 )
                 for i, row_lp, row_ent in zip(later, lp, ent, strict=True):
                     old_lp[i], old_ent[i] = row_lp, row_ent
+        ref_lp: list[list[float]] | None = None
+        if self.ref_model is not None:
+            with self._timed("ref_logprob"):
+                ref_lp, _ = self._score(
+                    [r.prompt_ids for r in rows],
+                    [r.response_ids for r in rows],
+                    with_entropy=False,
+                    model=self.ref_model,
+                )
         adv = row_advantages(rows, use_std=self.cfg.loss.advantage_std)
         with self._timed("update"):
-            update_metrics, first = self._update(rows, parts, old_lp, adv, mixed)
+            update_metrics, first = self._update(rows, parts, old_lp, adv, mixed, ref_lp)
         for i, (row_lp, row_ent) in first.items():
             old_lp[i], old_ent[i] = row_lp, row_ent
         return old_lp, old_ent, update_metrics
@@ -603,6 +624,7 @@ class Trainer:
         old_lp: list[list[float]],
         adv: list[float],
         mixed: bool,
+        ref_lp: list[list[float]] | None = None,
     ) -> tuple[dict[str, float], dict[int, tuple[list[float], list[float]]]]:
         """The optimizer steps, one per mini-batch. Returns the update metrics, and the log-probs and
         entropies of the first mini-batch's rows (its pi_old, from its update forward)."""
@@ -621,7 +643,7 @@ class Trainer:
             for mb in mbs:
                 chosen = [mine[j] for j in mb]
                 record = first if index == 0 else None
-                m = self._micro_step(rows, old_lp, adv, chosen, mixed, max(n_tokens, 1.0), record)
+                m = self._micro_step(rows, old_lp, adv, chosen, mixed, max(n_tokens, 1.0), record, ref_lp)
                 if m:
                     m["_minibatch"] = float(index)
                     collected.append(m)
@@ -648,6 +670,7 @@ class Trainer:
         mixed: bool,
         n_tokens: float,
         record: dict[int, tuple[list[float], list[float]]] | None = None,
+        ref_lp: list[list[float]] | None = None,
     ) -> dict[str, float]:
         """Forward, loss and backward of one micro-batch. With `record` (the first mini-batch, before
         any optimizer step of this step), pi_old is this forward's own log-probs, detached, and the
@@ -692,6 +715,7 @@ class Trainer:
             past_logprobs=past,
             entropy=ent,
             num_loss_tokens=n_tokens,
+            ref_logprobs=None if ref_lp is None else padded([ref_lp[i] for i in chosen]),
         )
         scale = 0.0 if dummy else float(dist.world())
         (loss * scale).backward()

@@ -78,7 +78,13 @@ def fixed_rows(
 
 
 def main(model_dir: Path, out_file: Path) -> None:
-    cfg = row_config(model_dir, out_file.parent / f"trainer-{out_file.stem}")
+    # with the KL term (reference = the starting weights) and activation checkpointing, both sharded
+    cfg = row_config(
+        model_dir,
+        out_file.parent / f"trainer-{out_file.stem}",
+        "loss.kl_coeff=0.1",
+        "model.activation_checkpointing=true",
+    )
     trainer = Trainer(cfg)
     results: list[dict[str, Any]] = []
     try:

@@ -1,6 +1,7 @@
 """FSDP2 over two processes (gloo) equals one process: the same rows give the same old log-probs,
 losses, metrics and updated weights. The rows are fixed (no service, no generation) and are cut
-into several mini-batches and uneven micro-batches, so ranks run padded, throw-away forwards."""
+into several mini-batches and uneven micro-batches, so ranks run padded, throw-away forwards. The
+KL term (a sharded, frozen reference model) and activation checkpointing are on."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ CLOSE = (
     "actor/entropy",
     "actor/ratio_mean",
     "actor/ratio_clipped_frac",
+    "actor/kl",
+    "loss/kl",
     "optim/grad_norm",
     "is/w_mean",
     "is/w_max",
@@ -77,6 +80,7 @@ def test_two_processes_match_one(tiny_model: Path, tmp_path: Path) -> None:
         assert a["state"].keys() == b["state"].keys()
         for k in a["state"]:
             torch.testing.assert_close(a["state"][k], b["state"][k], rtol=0, atol=1e-5, msg=f"{step} {k}")
+    assert one["steps"][1]["metrics"]["actor/kl"] > 0, "the policy has moved away from the reference"
     # the replayed rows took part in the second step, and the weights moved at every step
     assert one["steps"][1]["metrics"]["tokens/replay"] > 0
     s1, s2 = one["steps"][0]["state"], one["steps"][1]["state"]
