@@ -213,9 +213,11 @@ def load_runs(out: Path, arm: str, seeds: int) -> list[RunResult]:
 
 def summarize(out: Path, arms: Sequence[Arm], seeds: int) -> dict[str, Any]:
     """Per arm: held-out accuracy at each evaluation point (equal rollout counts across arms) and at
-    the end, mean/std/min/max over seeds, and the per-seed paired difference to GRPO."""
+    the end, mean/std/min/max over seeds, and the per-seed paired differences to GRPO and (for the
+    ablations) to ExGRPO. `late` is each run's mean over its last three evaluations (less sampling
+    noise than the last one alone)."""
     table: dict[str, Any] = {}
-    base = {r.seed: r for r in load_runs(out, "grpo", seeds)}
+    bases = {name: {r.seed: r for r in load_runs(out, name, seeds)} for name in ("grpo", "exgrpo")}
     for arm in arms:
         runs = load_runs(out, arm.name, seeds)
         if not runs:
@@ -237,18 +239,22 @@ def summarize(out: Path, arms: Sequence[Arm], seeds: int) -> dict[str, Any]:
             "start": _stats(start),
             "mid": _stats(mid),
             "final": _stats(final),
+            "late": _stats([_late(r) for r in runs]),
             "gain": _stats([f - s for f, s in zip(final, start, strict=True)]),
             "rollouts": _stats([float(r.evals[-1]["rollouts"]) for r in runs]),
             "steps": _stats([float(r.evals[-1]["step"]) for r in runs]),
             "curve": curve,
         }
-        paired = [
-            float(r.evals[-1]["accuracy"]) - float(base[r.seed].evals[-1]["accuracy"])
-            for r in runs
-            if r.seed in base
-        ]
-        if paired and arm.name != "grpo":
-            entry["vs_grpo"] = _stats(paired)
+        for name, base in bases.items():
+            if arm.name in ("grpo", name):
+                continue
+            paired = [
+                float(r.evals[-1]["accuracy"]) - float(base[r.seed].evals[-1]["accuracy"])
+                for r in runs
+                if r.seed in base
+            ]
+            if paired:
+                entry[f"vs_{name}"] = _stats(paired)
         switches = [r.switch_step for r in runs if r.switch_step is not None]
         if switches:
             entry["switch_step"] = _stats([float(x) for x in switches])
@@ -262,34 +268,45 @@ def summarize(out: Path, arms: Sequence[Arm], seeds: int) -> dict[str, Any]:
     return table
 
 
+def _late(run: RunResult) -> float:
+    tail = run.evals[1:][-3:] or run.evals
+    return sum(float(e["accuracy"]) for e in tail) / len(tail)
+
+
 def _pm(s: dict[str, float]) -> str:
     return f"{s['mean']:.3f} ± {s['std']:.3f}"
 
 
 def _markdown(table: dict[str, Any]) -> str:
     lines = [
-        "| arm | seeds | rollouts | steps | held-out before | at half budget | at full budget | gain | "
-        "vs GRPO (paired) | switch step | replay share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | seeds | rollouts | steps | held-out before | at half budget | at full budget | "
+        "last three evals | vs GRPO (paired) | vs ExGRPO (paired) | switch step | replay share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def paired(e: dict[str, Any], key: str) -> str:
+        vs = e.get(key)
+        return "—" if vs is None else f"{vs['mean']:+.3f} ± {vs['std']:.3f}"
+
     for name, e in table.items():
-        vs = e.get("vs_grpo")
         sw = e.get("switch_step")
-        vs_text = "—" if vs is None else f"{vs['mean']:+.3f} ± {vs['std']:.3f}"
         sw_text = "—" if sw is None else f"{sw['mean']:.1f}"
         final = e["final"]
         lines.append(
             f"| {name} | {len(e['seeds'])} | {e['rollouts']['mean']:.0f} | {e['steps']['mean']:.0f} | "
             f"{_pm(e['start'])} | {_pm(e['mid'])} | {_pm(final)} (min {final['min']:.3f}, "
-            f"max {final['max']:.3f}) | {e['gain']['mean']:+.3f} | {vs_text} | {sw_text} | "
-            f"{e['replay_share']:.2f} |"
+            f"max {final['max']:.3f}) | {_pm(e['late'])} | {paired(e, 'vs_grpo')} | "
+            f"{paired(e, 'vs_exgrpo')} | {sw_text} | {e['replay_share']:.2f} |"
         )
     lines.append("")
     lines.append(
-        "Mean ± sample standard deviation over seeds. 'vs GRPO': final accuracy minus GRPO's on the same"
+        "Held-out accuracy, mean ± sample standard deviation over seeds. 'vs GRPO' / 'vs ExGRPO': final"
     )
     lines.append(
-        "seed (same training and held-out questions). 'replay share': replayed / all questions, all steps."
+        "accuracy minus that arm's on the same seed (same training and held-out questions). 'last three"
+    )
+    lines.append(
+        "evals': each run's mean over its last three evaluations. 'replay share': replayed / all questions."
     )
     return "\n".join(lines) + "\n"
 

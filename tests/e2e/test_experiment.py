@@ -55,6 +55,7 @@ def test_quick_experiment_runs_arms_and_seeds_and_reports(tmp_path: Path) -> Non
     paired = [finals[("buckets-uniform", s)] - finals[("grpo", s)] for s in (0, 1)]
     assert abs(results["buckets-uniform"]["vs_grpo"]["mean"] - sum(paired) / 2) < 1e-9
     assert "vs_grpo" not in results["grpo"]
+    assert "vs_exgrpo" not in results["buckets-uniform"]  # no exgrpo arm in this experiment
     table = (out / "results.md").read_text()
     assert "| grpo | 2 |" in table and "| buckets-uniform | 2 |" in table
     assert (out / "plots" / "grpo-vs-exgrpo.png").stat().st_size > 0
