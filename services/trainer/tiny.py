@@ -47,6 +47,36 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+def tiny_qwen2(
+    *,
+    vocab_size: int,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 1024,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """A random-init Qwen2 of the given size (tied embeddings, no BOS), seeded, in eval mode."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
 def build_tiny_model(
     out: Path,
     *,
@@ -59,21 +89,17 @@ def build_tiny_model(
 ) -> Path:
     """A random-init Qwen2 and its tokenizer, saved to `out` (loads with AutoModelForCausalLM)."""
     tok = build_tokenizer()
-    torch.manual_seed(seed)
-    config = Qwen2Config(
+    model = tiny_qwen2(
         vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=None,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        max_positions=max_positions,
+        seed=seed,
     )
-    model = Qwen2ForCausalLM(config)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)

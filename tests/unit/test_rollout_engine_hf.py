@@ -7,12 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from exgrpo_rollout.engines.base import SamplingConfig
 from exgrpo_rollout.engines.hf import TransformersEngine
-from exgrpo_trainer.tiny import build_tokenizer
+from exgrpo_trainer.tiny import build_tokenizer, tiny_qwen2
 
 
 @pytest.fixture(scope="module")
@@ -22,21 +21,13 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(
+    return tiny_qwen2(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        hidden=32,
+        max_positions=128,
     )
-    return Qwen2ForCausalLM(config).eval()
 
 
 def _prompts(tokenizer: PreTrainedTokenizerFast) -> list[list[int]]:

@@ -7,10 +7,11 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from exgrpo_trainer.algo import token_entropy, token_logprobs
 from exgrpo_trainer.model import pad_rows, response_forward
+from exgrpo_trainer.tiny import tiny_qwen2
 
 PAD = 0
 CPU = torch.device("cpu")
@@ -18,19 +19,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def model() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        pad_token_id=PAD,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return tiny_qwen2(vocab_size=97, pad_token_id=PAD, hidden=32, max_positions=128)
 
 
 def _rows(seed: int, n: int = 7) -> tuple[list[list[int]], list[list[int]]]:
