@@ -1,4 +1,5 @@
-"""Fixtures shared by the test folders: a real pool service on a free loopback port.
+"""Fixtures shared by the test folders: a real pool service on a free loopback port, and a reader
+of the JSON lines our processes log.
 
 `live_server` runs uvicorn with the real app (SQLite in a temporary folder, anonymous access,
 which the service grants every scope on a loopback bind) in a background thread, once per
@@ -8,10 +9,12 @@ session. Tests that use it create pools under unique names, so they do not see e
 from __future__ import annotations
 
 import contextlib
+import json
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,3 +53,21 @@ def start_live_server() -> Callable[..., contextlib.AbstractContextManager[LiveS
 def pool_name() -> str:
     """A pool name no other test uses."""
     return f"t-{uuid.uuid4().hex[:10]}"
+
+
+def _json_events(log: Path) -> list[dict[str, Any]]:
+    """The JSON-object lines of a process's log, in order (other lines, half-written ones too, skipped)."""
+    out = []
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+@pytest.fixture
+def json_events() -> Callable[[Path], list[dict[str, Any]]]:
+    """Read the structured events a worker or service wrote to its log file."""
+    return _json_events

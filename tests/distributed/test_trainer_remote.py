@@ -11,13 +11,13 @@ some partly solved question."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,25 +52,18 @@ def _worker_command(url: str, cfg: TrainConfig, worker_id: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _events(log: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
-def _wait_started(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> None:
+def _wait_started(
+    procs: dict[str, subprocess.Popen[bytes]],
+    logs: dict[str, Path],
+    events: Callable[[Path], list[dict[str, Any]]],
+) -> None:
     """Until every worker has its engine loaded and serves (a worker that exits fails the test)."""
     end = time.monotonic() + 120
     waiting = set(procs)
     while waiting:
         for name in sorted(waiting):
             assert procs[name].poll() is None, logs[name].read_text()[-3000:]
-            if any(e["event"] == "worker_started" for e in _events(logs[name])):
+            if any(e["event"] == "worker_started" for e in events(logs[name])):
                 waiting.discard(name)
         assert time.monotonic() < end, f"workers {sorted(waiting)} did not start"
         time.sleep(0.2)
@@ -100,7 +93,11 @@ def _payload(r: s.RolloutResult) -> tuple[list[int], list[float]]:
 
 @pytest.mark.timeout(300)
 def test_trainer_learns_from_two_rollout_workers(
-    live_server: Any, pool_name: str, tiny_model: Path, tmp_path: Path
+    live_server: Any,
+    pool_name: str,
+    tiny_model: Path,
+    tmp_path: Path,
+    json_events: Callable[[Path], list[dict[str, Any]]],
 ) -> None:
     out = tmp_path / "run"
     cfg = run_config(
@@ -128,7 +125,7 @@ def test_trainer_learns_from_two_rollout_workers(
                 with open(log, "wb") as f:
                     command = _worker_command(live_server.url, cfg, w)
                     procs[w] = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env)
-            _wait_started(procs, logs)
+            _wait_started(procs, logs, json_events)
             run_training(cfg, client=client)
         finally:
             codes = _stop(procs)
@@ -139,7 +136,7 @@ def test_trainer_learns_from_two_rollout_workers(
         versions = client.list_policy_versions(pool_name, cfg.run.name)
 
     # the workers exit cleanly on SIGTERM, holding nothing
-    events = {w: _events(log) for w, log in logs.items()}
+    events = {w: json_events(log) for w, log in logs.items()}
     assert codes == dict.fromkeys(WORKERS, 0), {w: logs[w].read_text()[-3000:] for w in WORKERS}
     for w in WORKERS:
         stopped = events[w][-1]

@@ -4,7 +4,6 @@ the in-flight task back, and a published policy version is loaded without a rest
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -187,23 +186,17 @@ def _spawn(url: str, model: Path, pool: str, worker_id: str, log_path: Path) -> 
         return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
 
 
-def _events(log_path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
-def _claimed(log_path: Path) -> list[int]:
-    return [t for e in _events(log_path) if e["event"] == "tasks_claimed" for t in e["tasks"]]
+def _claimed(events: list[dict[str, Any]]) -> list[int]:
+    return [t for e in events if e["event"] == "tasks_claimed" for t in e["tasks"]]
 
 
 def test_killed_worker_task_is_redone_and_sigterm_fails_back(
-    client: Client, live_server: Any, tiny_model: Path, pool_name: str, tmp_path: Path
+    client: Client,
+    live_server: Any,
+    tiny_model: Path,
+    pool_name: str,
+    tmp_path: Path,
+    json_events: Callable[[Path], list[dict[str, Any]]],
 ) -> None:
     _pool_with_run(client, pool_name)
     plan = _plan(client, pool_name)
@@ -212,8 +205,8 @@ def test_killed_worker_task_is_redone_and_sigterm_fails_back(
     try:
         # both sit on their claimed task (test delay), renewing its 2 s lease
         _wait("two leases", lambda: client.batch_status(pool_name, plan.id).tasks_leased == 2, timeout=180)
-        _wait("claim logs", lambda: all(_claimed(p) for p in logs.values()))
-        held = {name: _claimed(path) for name, path in logs.items()}
+        _wait("claim logs", lambda: all(_claimed(json_events(p)) for p in logs.values()))
+        held = {name: _claimed(json_events(path)) for name, path in logs.items()}
         assert all(len(ids) == 1 for ids in held.values()), held
         time.sleep(2.5)  # longer than the lease: only the renewals keep the two tasks held
         probe = client.claim_tasks(pool_name, RUN, "probe", max_tasks=B, lease_seconds=60).data
@@ -232,7 +225,7 @@ def test_killed_worker_task_is_redone_and_sigterm_fails_back(
                 p.kill()
                 p.wait()
 
-    quitter = _events(logs["quitter"])
+    quitter = json_events(logs["quitter"])
     failed_back = [e for e in quitter if e["event"] == "task_failed_back"]
     assert [e["task"] for e in failed_back] == held["quitter"] and failed_back[0]["retry"] is True
     assert quitter[-1]["event"] == "worker_stopped" and quitter[-1]["tasks_released"] == 1
