@@ -185,6 +185,7 @@ def run_main_job(opts: MainJobOptions) -> Path:
                 f"run.output_dir={out}",
                 f"model.path={model_dir}",
                 f"experience.enabled={opts.experience}",
+                f"experience.batch_size={job.pool_batch_size}",  # B of the job, whatever the recipe says
                 *_budget_steps(opts.rollouts, job),
                 *trainer_overrides,
             ],

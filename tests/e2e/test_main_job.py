@@ -14,7 +14,7 @@ def test_quick_main_job_runs_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
     proc = subprocess.run(
-        # the trainer's experience settings must become the run's rules on the service
+        # the trainer's experience settings and the job's sizes must become the run's rules
         [
             sys.executable,
             "-m",
@@ -24,6 +24,7 @@ def test_quick_main_job_runs_end_to_end(tmp_path: Path) -> None:
             "--out",
             str(out),
             "experience.ratio=0.25",
+            "job.pool_batch_size=8",  # the job's B wins over the recipe's experience.batch_size
             "experience.start_threshold=0.02",
         ],
         cwd=tmp_path,
@@ -61,8 +62,9 @@ def test_quick_main_job_runs_end_to_end(tmp_path: Path) -> None:
     assert json.loads(overrides)["experience_ratio"] == 0.25
     assert json.loads(overrides)["start_threshold"] == 0.02
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["batch/questions"] == 8 and m["batch/generated"] >= 8 * 7 for m in metrics)
     replayed = [m["batch/replayed_questions"] for m in metrics if m["phase/mixed"]]
-    assert replayed and max(replayed) <= 0.25 * 16  # a quarter of B = 16 at most
+    assert replayed and max(replayed) <= 0.25 * 8  # a quarter of B = 8 at most
     curves = db.execute("select count(*) from run_metric").fetchone()[0]
     assert curves >= len(steps)
     assert "held-out accuracy" in proc.stderr and str(out) in proc.stderr
