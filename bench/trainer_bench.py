@@ -43,7 +43,7 @@ against the response positions only (SmolLM2-135M by default: a 49k-token vocabu
 
     .venv/bin/python bench/trainer_bench.py                    # both modes, 3 repeats each
     .venv/bin/python bench/trainer_bench.py --quick            # 1 repeat, fewer steps
-    .venv/bin/python bench/trainer_bench.py --modes grpo,grpo+no-stats --repeats 5
+    .venv/bin/python bench/trainer_bench.py --modes grpo,grpo+no-fsdp --repeats 5
     .venv/bin/python bench/trainer_bench.py --modes 'grpo,old=grpo@/path/to/old-packages'
     .venv/bin/python bench/trainer_bench.py ab                 # in-process A/B of changes
     .venv/bin/python bench/trainer_bench.py head-memory        # peak memory of the LM head, SmolLM2
@@ -67,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from collections import defaultdict
@@ -83,7 +84,8 @@ GOAL_OVERHEAD_PCT = 5.0
 
 PHASES = ("plan", "rescore", "generate", "old_logprob", "update", "commit", "publish", "outside")
 """The trainer's timed blocks; `outside` is the rest of `train_step` (prompt tokenisation,
-advantages, step metrics, the run-stats request) plus writing the metrics log."""
+advantages, step metrics; with a trainer from before the commit answered the run's stats, also the
+run-stats and run-metrics requests) plus writing the metrics log."""
 
 COMPUTE_KINDS = (
     "model_forward",  # the model's forward call (logits)
@@ -219,8 +221,14 @@ def pool_service(folder: Path) -> Iterator[str]:
 class Probe:
     """Seconds per (trainer phase, kind of work), from wrappers installed around the trainer's
     collaborators. The current phase follows the trainer's own `_timed` blocks. Each entry is kept
-    twice: wall-clock time (`acc`) and CPU time of this process (`cpu`, `time.process_time`), which
-    a busy machine inflates far less than wall time, since time spent waiting for a core is not in it."""
+    twice: wall-clock time (`acc`) and CPU time (`cpu`), which a busy machine inflates far less than
+    wall time, since time spent waiting for a core is not in it.
+
+    CPU time here is that of the calling thread (`time.thread_time`; torch on one thread computes on
+    it), so work that other threads do meanwhile (the trainer's background metrics sender) is never
+    counted as model compute: it stays in the step's process CPU time, hence in its overhead. Calls
+    made on another thread than the probe's own are not in `acc`/`cpu` at all (they do not hold up
+    the step); the outermost of them are summed in `background_wall` / `background_cpu`."""
 
     def __init__(self) -> None:
         self.phase = "outside"
@@ -228,25 +236,51 @@ class Probe:
         self.cpu: dict[tuple[str, str], float] = defaultdict(float)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self._depth: dict[str, int] = defaultdict(int)
+        self._owner = threading.get_ident()
+        self._background = threading.local()
+        self._lock = threading.Lock()
+        self.background_wall = 0.0
+        self.background_cpu = 0.0
 
     def wrap(self, kind: str, fn: Callable[..., Any], *, unless_in: str | None = None) -> Callable[..., Any]:
         """`fn`, timed as `kind`; calls made inside `unless_in` (another kind) are not counted."""
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != self._owner:
+                return self._in_background(fn, *args, **kwargs)
             if self._depth[kind] or (unless_in and self._depth[unless_in]):  # counted once, outermost
                 return fn(*args, **kwargs)
             self._depth[kind] += 1
-            t, c = time.perf_counter(), time.process_time()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 key = (self.phase, kind)
                 self.acc[key] += time.perf_counter() - t
-                self.cpu[key] += time.process_time() - c
+                self.cpu[key] += time.thread_time() - c
                 self.calls[key] += 1
                 self._depth[kind] -= 1
 
         return functools.update_wrapper(timed, fn, updated=())
+
+    def _in_background(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if getattr(self._background, "busy", False):  # inside an outer wrapped call: counted there
+            return fn(*args, **kwargs)
+        self._background.busy = True
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            wall, cpu = time.perf_counter() - t, time.thread_time() - c
+            with self._lock:
+                self.background_wall += wall
+                self.background_cpu += cpu
+            self._background.busy = False
+
+    def background(self) -> tuple[float, float]:
+        """(wall, CPU) seconds of the wrapped calls made on other threads so far."""
+        with self._lock:
+            return self.background_wall, self.background_cpu
 
     def snapshot(self) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]:
         return dict(self.acc), dict(self.cpu)
@@ -294,12 +328,12 @@ def instrument(trainer: Any, probe: Probe) -> Callable[[], None]:
     @contextlib.contextmanager
     def timed(name: str) -> Iterator[None]:
         prev, probe.phase = probe.phase, name
-        c = time.process_time()
+        c = time.thread_time()
         try:
             with original_timed(name):
                 yield
         finally:
-            probe.cpu[(name, "phase")] += time.process_time() - c
+            probe.cpu[(name, "phase")] += time.thread_time() - c
             probe.phase = prev
 
     trainer._timed = timed
@@ -374,7 +408,7 @@ def _rss_kb() -> int:
 
 # ---------------------------------------------------------------------------------- variants
 # Candidate fixes, tried from here on the unchanged trainer so their gain is measured end to end in
-# the same session as the baseline (`--modes grpo,grpo+no-stats,...`). Each names the change it
+# the same session as the baseline (`--modes grpo,grpo+no-fsdp,...`). Each names the change it
 # stands for in the trainer. Fixes that the trainer has taken up are no longer variants here.
 
 
@@ -394,19 +428,11 @@ def _variant_no_fsdp(trainer_mod: Any) -> None:
     trainer_mod.load_model = load_plain
 
 
-def _variant_no_stats(trainer: Any) -> None:
-    """Trainer.train_step/_experience_stats: no run-stats request when experience is off (every
-    value is 0 then); with experience on, the commit answer could carry them instead."""
-    stats = trainer._experience_stats
-    trainer._experience_stats = lambda plan: stats(plan) if trainer.cfg.experience.enabled else {}
-
-
 VARIANTS_BEFORE: dict[str, Callable[[Any], None]] = {
     "no-fsdp": _variant_no_fsdp,
 }
-VARIANTS_AFTER: dict[str, Callable[[Any], None]] = {
-    "no-stats": _variant_no_stats,
-}
+VARIANTS_AFTER: dict[str, Callable[[Any], None]] = {}
+"""Variants applied to the built trainer (none at present: the run-stats request they tried is gone)."""
 
 
 def parse_mode(mode: str) -> tuple[str, list[str]]:
@@ -488,12 +514,13 @@ def run_once(mode: str, p: Params, model: Path, folder: Path) -> dict[str, Any]:
                     tracemalloc.start()
                 if tracing:
                     tracemalloc.reset_peak()
-                before = probe.snapshot()
+                before, bg_before = probe.snapshot(), probe.background()
                 t0, c0 = time.perf_counter(), time.process_time()
                 metrics = trainer.train_step()
                 probe.phase = "outside"
                 logger.log(trainer.step, metrics)
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                bg_wall, bg_cpu = (a - b for a, b in zip(probe.background(), bg_before, strict=True))
                 delta, delta_cpu = Probe.delta(before, probe.snapshot())
                 phases = {ph: metrics.get(f"timing/{ph}", 0.0) for ph in PHASES if ph != "outside"}
                 phases["outside"] = wall - sum(phases.values())
@@ -505,6 +532,8 @@ def run_once(mode: str, p: Params, model: Path, folder: Path) -> dict[str, Any]:
                     "traced": tracing,
                     "wall_s": wall,
                     "cpu_s": cpu,
+                    "background_wall_s": bg_wall,  # HTTP on the metrics sender's thread meanwhile
+                    "background_cpu_s": bg_cpu,  # (its CPU is in cpu_s too)
                     "train_step_s": metrics["timing/step"],
                     "phases": phases,
                     "phases_cpu": phases_cpu,
@@ -562,14 +591,14 @@ def _mean(values: Any) -> float:
 
 
 VIEWS = {
-    "wall": ("wall_s", "phases", "kinds", "by_phase"),
-    "cpu": ("cpu_s", "phases_cpu", "kinds_cpu", "by_phase_cpu"),
+    "wall": ("wall_s", "phases", "kinds", "by_phase", "background_wall_s"),
+    "cpu": ("cpu_s", "phases_cpu", "kinds_cpu", "by_phase_cpu", "background_cpu_s"),
 }
 """Two views of every step: wall-clock seconds, and CPU seconds of the trainer process."""
 
 
 def _view(timed: list[dict[str, Any]], view: str) -> dict[str, Any]:
-    step_key, phases_key, kinds_key, by_phase_key = VIEWS[view]
+    step_key, phases_key, kinds_key, by_phase_key, background_key = VIEWS[view]
     total = [s[step_key] for s in timed]
     compute = [sum(s[kinds_key].get(k, 0.0) for k in COMPUTE_KINDS) for s in timed]
     head = [s[kinds_key].get("logprob_head", 0.0) for s in timed]
@@ -591,6 +620,7 @@ def _view(timed: list[dict[str, Any]], view: str) -> dict[str, Any]:
         },
         "compute_s_mean": _mean(compute),
         "overhead_s_mean": _mean(over),
+        "background_s_mean": _mean(s.get(background_key, 0.0) for s in timed),
         "overhead_pct": 100.0 * sum(over) / sum(total),
         "overhead_pct_strict": 100.0 * (sum(over) + sum(head)) / sum(total),
         "update_overhead_pct": 100.0 * (sum(upd_total) - sum(upd_fbo)) / max(sum(upd_total), 1e-12),
@@ -623,6 +653,7 @@ def _combine_view(views: list[dict[str, Any]]) -> dict[str, Any]:
         "step_s_mean",
         "compute_s_mean",
         "overhead_s_mean",
+        "background_s_mean",
         "overhead_pct",
         "overhead_pct_strict",
         "update_overhead_pct",
@@ -723,6 +754,8 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     row("overhead % of step (wall)", [wall[m]["overhead_pct"] for m in modes], "%")
     row("  with the log-prob head as overhead", [wall[m]["overhead_pct_strict"] for m in modes], "%")
     row("overhead % of step (CPU)", [cpu[m]["overhead_pct"] for m in modes], "%")
+    row("background HTTP, wall s (not in step)", [wall[m].get("background_s_mean", 0.0) for m in modes])
+    row("background HTTP, CPU s (in step CPU)", [cpu[m].get("background_s_mean", 0.0) for m in modes])
     header("batch and memory")
     row("replayed questions / step", [results[m]["replayed_questions_mean"] for m in modes], "n")
     row("rows / step", [results[m]["rows_mean"] for m in modes], "n")

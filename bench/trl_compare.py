@@ -307,6 +307,7 @@ def report(
         row("  commit (HTTP)", lambda x: x["phases_mean"]["commit"], only_ours=True)
         row("  publish", lambda x: x["phases_mean"]["publish"], only_ours=True)
         row("  rest of the step", lambda x: x["phases_mean"]["outside"])
+        row("  (metrics HTTP on a background thread)", lambda x: x["background_s_mean"], only_ours=True)
         row("step (mean)", lambda x: x["step_s_mean"])
         row("step (median)", lambda x: x["step_s_median"])
         row("overhead beyond compute, % of step", lambda x: x["overhead_pct"], pct=True)
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "--extra",
         default="",
         help="more runs of ours per round: comma-separated trainer_bench modes, each optionally "
-        "labelled (e.g. grpo*=grpo+no-fsdp+no-stats); a mode ending in @DIR imports the trainer "
+        "labelled (e.g. grpo*=grpo+no-fsdp); a mode ending in @DIR imports the trainer "
         "from DIR first (e.g. before=grpo@/tmp/old-checkout-packages)",
     )
     ap.add_argument("--out", type=Path, default=tb.OUT / "trl_compare.json")

@@ -336,11 +336,13 @@ def commit_batch(
     groups: Sequence[GroupLike],
     policy_version: int | None,
     metrics: Mapping[str, float] | None,
+    with_stats: bool,
 ) -> Call[s.CommitResult]:
     body = s.BatchCommit.model_validate(
         {
             "groups": list(groups),
             **_given(policy_version=policy_version, metrics=None if metrics is None else dict(metrics)),
+            **({"with_stats": True} if with_stats else {}),
         }
     )
     return write("POST", f"{_batch(pool, batch_id)}/commit", body, _model(s.CommitResult))

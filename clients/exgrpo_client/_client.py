@@ -245,9 +245,12 @@ class Client(BaseClient):
         groups: Sequence[GroupLike],
         policy_version: int | None = None,
         metrics: Mapping[str, float] | None = None,
+        with_stats: bool = False,
     ) -> s.CommitResult:
-        """Commit the graded groups of a planned batch (one per planned question, K rollouts each)."""
-        return self._request(b.commit_batch(pool, batch_id, groups, policy_version, metrics))
+        """Commit the graded groups of a planned batch (one per planned question, K rollouts each).
+        `with_stats=True` puts the run's stats after the commit in the result's `stats` (saves a
+        `run_stats` call)."""
+        return self._request(b.commit_batch(pool, batch_id, groups, policy_version, metrics, with_stats))
 
     def batch_results(self, pool: str, batch_id: str, wait: float = 0) -> s.BatchResults:
         """Groups completed by remote workers; waits up to `wait` seconds for all of them."""
@@ -560,8 +563,11 @@ class AsyncClient(BaseClient):
         groups: Sequence[GroupLike],
         policy_version: int | None = None,
         metrics: Mapping[str, float] | None = None,
+        with_stats: bool = False,
     ) -> s.CommitResult:
-        return await self._request(b.commit_batch(pool, batch_id, groups, policy_version, metrics))
+        return await self._request(
+            b.commit_batch(pool, batch_id, groups, policy_version, metrics, with_stats)
+        )
 
     async def batch_results(self, pool: str, batch_id: str, wait: float = 0) -> s.BatchResults:
         return await self._request(b.batch_results(pool, batch_id, wait))

@@ -309,6 +309,9 @@ class BatchCommit(Strict):
     groups: list[GroupResult] = Field(min_length=1, max_length=65_536)
     policy_version: Int32 | None = None
     metrics: dict[str, FiniteFloat] = Field(default_factory=dict)
+    with_stats: bool = Field(
+        False, description="Answer with the run's stats after this commit (`CommitResult.stats`)."
+    )
 
 
 class CommitResult(Strict):
@@ -324,6 +327,11 @@ class CommitResult(Strict):
     stored_trajectories: int
     duplicate_trajectories: int
     bucket_moves: int
+    stats: RunStats | None = Field(
+        None,
+        description="The run's stats as this commit left them (what GET .../stats would answer "
+        "then), when the commit asked for them with `with_stats`.",
+    )
 
 
 class BatchStatusPublic(Strict):

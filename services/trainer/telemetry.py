@@ -1,5 +1,6 @@
 """Per-step metrics to JSONL, TensorBoard and (when installed and asked for) Weights & Biases,
-plus a live progress bar with a one-line summary per step."""
+plus a live progress bar with a one-line summary per step, and a background sender of the metrics
+that reach the pool service after a step's commit."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import json
 import logging
 import math
 import os
+import queue
+import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import (
@@ -22,6 +26,9 @@ from rich.progress import (
 )
 
 from exgrpo_trainer.config import LoggingSection
+
+if TYPE_CHECKING:
+    from exgrpo_client import Client
 
 log = logging.getLogger("exgrpo.trainer")
 
@@ -159,3 +166,67 @@ class MetricsLogger:
             self.wandb.finish()
         if self.prometheus is not None:
             self.prometheus.close()
+
+
+class RunMetricsSender:
+    """Posts each step's late metrics (its timings and pool stats, known only after its commit) to
+    the pool service from one background thread, so the next step does not wait for that round trip.
+
+    Steps go out one at a time in the order `send` got them, each once: a post that fails (after
+    the client's own retries, which carry an idempotency key, so the service applies it once) is
+    logged with its step and not tried again; the step's metrics stay in the local metrics log. At
+    most `max_pending` steps wait: `send` then blocks until the service catches up, so nothing is
+    dropped. `flush()` waits for the queue to empty; `close()` sends what is queued and joins the
+    thread."""
+
+    def __init__(self, client: Client, pool: str, run: str, *, max_pending: int = 16) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self._client, self._pool, self._run = client, pool, run
+        self._queue: queue.Queue[tuple[int, dict[str, float]] | None] = queue.Queue(max_pending)
+        self._closed = False
+        self.num_sent = 0
+        self.failed_steps: list[int] = []
+        self._thread = threading.Thread(target=self._loop, name="exgrpo-run-metrics", daemon=True)
+        self._thread.start()
+
+    def send(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._closed:
+            raise RuntimeError("this RunMetricsSender is closed")
+        self._queue.put((step, dict(metrics)))
+
+    def flush(self) -> None:
+        """Wait until every step queued so far has been posted (or has failed and been logged)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        if self.failed_steps:
+            log.error(
+                "the run metrics of %d of %d steps did not reach the pool service (steps %s); "
+                "they are in the local metrics log only",
+                len(self.failed_steps),
+                len(self.failed_steps) + self.num_sent,
+                self.failed_steps,
+            )
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                step, metrics = item
+                try:
+                    self._client.post_run_metrics(self._pool, self._run, step, metrics)
+                except Exception:
+                    self.failed_steps.append(step)
+                    log.exception("posting the run metrics of step %d to the pool service failed", step)
+                else:
+                    self.num_sent += 1
+            finally:
+                self._queue.task_done()

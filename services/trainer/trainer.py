@@ -51,7 +51,7 @@ from exgrpo_trainer.model import (
     save_hf,
     unsharded,
 )
-from exgrpo_trainer.telemetry import MetricsLogger
+from exgrpo_trainer.telemetry import MetricsLogger, RunMetricsSender
 
 log = logging.getLogger("exgrpo.trainer")
 StepHook = Callable[["Trainer", dict[str, float]], bool | None]
@@ -78,6 +78,12 @@ class StepData:
 
 
 class Trainer:
+    _sender: RunMetricsSender | None = None
+    """Rank 0's background poster of each step's late run metrics; started by the first step."""
+    _held: tuple[int, dict[str, float]] | None = None
+    """The last step's late metrics, handed to the sender once the next plan is in: posted at the
+    end of their step, they would queue at the service ahead of that plan."""
+
     def __init__(self, cfg: TrainConfig, *, client: Client | None = None) -> None:
         self.cfg = cfg
         self.device = dist.init()
@@ -179,10 +185,12 @@ class Trainer:
                 if (every and self.step % every == 0) or last:
                     self.save_checkpoint()
         finally:
+            self._close_sender()
             if self.logger is not None:
                 self.logger.close()
 
     def close(self) -> None:
+        self._close_sender()  # before the client it posts with
         if self.grading is not None:
             self.grading.close()
         if self.client is not None and self._owns_client:
@@ -193,6 +201,7 @@ class Trainer:
         start = time.perf_counter()
         with self._timed("plan"):
             plan = dist.broadcast(self._plan() if dist.is_main() else None)
+        self._release_late_metrics()  # the previous step's, posted while this one computes
         mixed = plan.phase == "mixed"
         prompts = {item.question_id: self._prompt_ids(item.prompt) for item in [*plan.fresh, *plan.replay]}
         with self._timed("rescore"):
@@ -211,7 +220,7 @@ class Trainer:
         pool_stats: dict[str, float] = {}
         if dist.is_main():
             with self._timed("stats"):
-                pool_stats = self._experience_stats(plan)
+                pool_stats = self._experience_stats(plan, result.stats)
         metrics.update({f"timing/{k}": v for k, v in self.timings.items()})
         metrics["timing/step"] = time.perf_counter() - start
         metrics["phase/switched"] = float(result.switched)
@@ -220,8 +229,7 @@ class Trainer:
             if self.cfg.logging.send_to_service:
                 assert self.client is not None
                 timing = {k: v for k, v in metrics.items() if k.startswith(("timing/", "phase/"))}
-                late = {**pool_stats, **timing}
-                self.client.post_run_metrics(self.cfg.run.pool, self.cfg.run.name, self.step, late)
+                self._held = (self.step, {**pool_stats, **timing})
         return metrics
 
     # ------------------------------------------------------------------------------ service
@@ -303,11 +311,15 @@ class Trainer:
             groups,
             policy_version=self.policy_version,
             metrics={k: v for k, v in sent.items() if math.isfinite(v)},
+            with_stats=True,  # the run's stats after the commit ride on its answer
         )
 
-    def _experience_stats(self, plan: s.BatchPlan) -> dict[str, float]:
-        assert self.client is not None
-        st = self.client.run_stats(self.cfg.run.pool, self.cfg.run.name)
+    def _experience_stats(self, plan: s.BatchPlan, st: s.RunStats | None) -> dict[str, float]:
+        """The step's `experience/*` metrics from the run's stats after its commit (`st`, from the
+        commit's answer; asked for separately if that answer has none)."""
+        if st is None:
+            assert self.client is not None
+            st = self.client.run_stats(self.cfg.run.pool, self.cfg.run.name)
         out = {
             "experience/eligible": float(st.eligible),
             "experience/retired": float(st.retired),
@@ -318,6 +330,21 @@ class Trainer:
         for b in st.buckets:
             out[f"experience/bucket_{b.bucket}"] = float(b.questions)
         return out
+
+    def _release_late_metrics(self) -> None:
+        if self._held is not None:
+            if self._sender is None:
+                assert self.client is not None
+                self._sender = RunMetricsSender(self.client, self.cfg.run.pool, self.cfg.run.name)
+            self._sender.send(*self._held)  # posted in the background, in step order
+            self._held = None
+
+    def _close_sender(self) -> None:
+        """Post what is held and queued, and stop the thread (a later step starts a new one)."""
+        self._release_late_metrics()
+        if self._sender is not None:
+            sender, self._sender = self._sender, None
+            sender.close()
 
     # ------------------------------------------------------------------------------ prompts
     def _prompt_ids(self, messages: list[s.ChatMessage]) -> list[int]:

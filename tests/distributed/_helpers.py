@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +73,16 @@ def read_metrics(out: Path) -> list[dict[str, float]]:
 
 
 class RecordingClient(Client):
-    """A real client that keeps every plan it received and every commit it sent."""
+    """A real client that keeps every plan it received, every commit it sent with its answer, and
+    every run-metrics post (step, the thread it came from, metrics) and run-stats request."""
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
         self.plans: list[s.BatchPlan] = []
         self.commits: list[list[s.GroupResult]] = []
+        self.commit_results: list[s.CommitResult] = []
+        self.metric_posts: list[tuple[int, str, dict[str, float]]] = []
+        self.stats_requests = 0
 
     def plan_batch(self, pool: str, run: str, **fields: Any) -> s.BatchPlan:
         plan = super().plan_batch(pool, run, **fields)
@@ -86,7 +91,18 @@ class RecordingClient(Client):
 
     def commit_batch(self, pool: str, batch_id: str, groups: Any, *args: Any, **kw: Any) -> s.CommitResult:
         self.commits.append(list(groups))
-        return super().commit_batch(pool, batch_id, groups, *args, **kw)
+        result = super().commit_batch(pool, batch_id, groups, *args, **kw)
+        self.commit_results.append(result)
+        return result
+
+    def post_run_metrics(self, pool: str, run: str, step: int, metrics: Any) -> s.RunMetricsStep:
+        answer = super().post_run_metrics(pool, run, step, metrics)
+        self.metric_posts.append((step, threading.current_thread().name, dict(metrics)))
+        return answer
+
+    def run_stats(self, pool: str, run: str) -> s.RunStats:
+        self.stats_requests += 1
+        return super().run_stats(pool, run)
 
 
 # ------------------------------------------------------------------------------- processes

@@ -143,3 +143,49 @@ def test_grpo_never_replays_and_stays_on_policy(
     assert stats.trajectories == 0
     assert versions.count == 0 and not (out / "published").exists()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000003"
+
+
+def test_late_metrics_reach_the_service_once_each_in_step_order(
+    live_server: Any, pool_name: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The run's stats come back on each commit's answer (no run-stats request), and every step's
+    timings and `experience/*` numbers are posted from the background sender, once, in step order,
+    all of them on the service by the time training returns."""
+    out = tmp_path / "run"
+    with RecordingClient(live_server.url) as client:
+        make_pool(client, pool_name, start_threshold=0.0)
+        cfg = run_config(
+            live_server.url,
+            pool_name,
+            tiny_model,
+            out,
+            "run.name=late",
+            "run.steps=5",
+            "schedule.publish_every=0",
+            "schedule.checkpoint_every=0",
+        )
+        run_training(cfg, client=client)
+        assert client.stats_requests == 0
+        posted = list(client.metric_posts)
+        stored = client.run_metrics(pool_name, "late").data
+        final = client.run_stats(pool_name, "late")
+
+    local = read_metrics(out)
+    steps = [m["step"] for m in local]
+    assert steps == [1, 2, 3, 4, 5]
+    assert [step for step, _thread, _late in posted] == steps, "each step once, in step order"
+    assert {thread for _step, thread, _late in posted} == {"exgrpo-run-metrics"}
+    assert [row.step for row in stored] == steps
+    for m, (_step, _thread, late), row in zip(local, posted, stored, strict=True):
+        assert {"timing/step", "timing/commit", "experience/eligible", "phase/switched"} <= late.keys()
+        assert all(row.metrics[k] == v == m[k] for k, v in late.items()), m["step"]
+        assert row.metrics["batch/solved"] == m["batch/solved"]  # sent with the commit
+    for m, result in zip(local, client.commit_results, strict=True):
+        st = result.stats
+        assert st is not None and st.step == m["step"]
+        assert (m["experience/eligible"], m["experience/retired"]) == (st.eligible, st.retired)
+        assert (m["experience/seen"], m["experience/trajectories"]) == (st.seen, st.trajectories)
+        assert {k for k in m if k.startswith("experience/bucket_")} == {
+            f"experience/bucket_{b.bucket}" for b in st.buckets
+        }
+    assert client.commit_results[-1].stats == final and final.trajectories > 0

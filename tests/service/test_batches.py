@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -354,6 +355,40 @@ async def test_idempotency_key_replays_the_response(client: httpx.AsyncClient) -
     assert r1.status_code == r2.status_code == 201 and r2.headers["Idempotent-Replayed"] == "true"
     assert r1.json() == r2.json()
     assert ok(await client.get("/v1/pools"))["count"] == 2
+
+
+async def test_commit_with_stats_answers_the_run_stats_it_leaves(client: httpx.AsyncClient) -> None:
+    """`with_stats`: the commit answers what GET .../stats answers right after it (collection,
+    retirement and replay all changing them), and a replayed commit answers its first answer."""
+    await setup_pool(client, phase="mixed", questions=24)
+    answers = []
+    for step in range(1, 6):
+        plan = await plan_batch(client)
+        replayed = {i["question_id"] for i in plan["replay"]}
+        body = {**make_groups(plan, _reward_fn(step, replayed)), "with_stats": True}
+        result = ok(await commit_batch(client, plan, body))
+        assert result["stats"] == await run_stats(client)
+        assert result["stats"]["step"] == result["step"] == step
+        assert result["stats"]["replayed_last_step"] == len(plan["replay"])
+        answers.append((plan, body, result))
+    final = answers[-1][2]["stats"]
+    assert final["eligible"] > 0 and final["retired"] > 0 and final["trajectories"] > 0
+    assert len({json.dumps(r["stats"], sort_keys=True) for _, _, r in answers}) == len(answers)
+
+    # a commit sent again, even after later commits, answers the stats as that commit left them
+    for plan, body, result in answers:
+        assert ok(await commit_batch(client, plan, body)) == result
+    plan = await plan_batch(client)
+    body = {**make_groups(plan, correct_first(lambda q: 1), lambda q, row: [q, row, 7]), "with_stats": True}
+    results = await asyncio.gather(*(commit_batch(client, plan, body) for _ in range(4)))
+    assert all(r.status_code == 200 for r in results), "\n".join(r.text for r in results)
+    assert len({r.text for r in results}) == 1
+    assert results[0].json()["stats"] == await run_stats(client)
+
+    # without the flag the answer has no stats (and costs no stats queries)
+    plan = await plan_batch(client)
+    result = ok(await commit_batch(client, plan, make_groups(plan, correct_first(lambda q: 1))))
+    assert result["stats"] is None
 
 
 async def test_groups_not_matching_the_plan_change_nothing(client: httpx.AsyncClient) -> None:

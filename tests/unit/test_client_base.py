@@ -167,7 +167,7 @@ def test_arguments_are_checked_before_anything_is_sent() -> None:
     with pytest.raises(ValidationError, match="lbound"):
         b.create_pool("p", {"k": 4, "lbound": 3}, "")
     with pytest.raises(ValidationError):
-        b.commit_batch("p", "id", [], None, None)
+        b.commit_batch("p", "id", [], None, None, False)
 
 
 def test_merged_config_changes_only_the_named_keys() -> None:

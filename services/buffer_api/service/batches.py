@@ -34,6 +34,7 @@ from exgrpo_pool.service.convert import (
     trajectory_public,
 )
 from exgrpo_pool.service.experience import Applied, apply_groups
+from exgrpo_pool.service.stats import collect_run_stats
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import Batch, Pool, Run, Trajectory, utcnow
 
@@ -398,9 +399,7 @@ async def commit_batch(ctx: Context, pool: Pool, batch_id: str, req: s.BatchComm
         run.step = batch.step
         run.policy_version = max(run.policy_version, version)
         run.updated_at = utcnow()
-        result = _result(batch.id, run, solved, switched, applied)
         batch.status = "committed"
-        batch.result = result.model_dump()
         batch.metrics = {**req.metrics, "batch/solved": solved}
         await repo.merge_run_metrics(
             session,
@@ -415,6 +414,11 @@ async def commit_batch(ctx: Context, pool: Pool, batch_id: str, req: s.BatchComm
             },
         )
         batch.committed_at = utcnow()
+        result = _result(batch.id, run, solved, switched, applied)
+        if req.with_stats:
+            # read in this transaction, after its writes: the state the commit leaves behind
+            result.stats = await collect_run_stats(ctx, session, pool, run, last=batch)
+        batch.result = result.model_dump()  # a replayed commit answers exactly this, stats included
     await _apply_moves(ctx, scope, applied)
     ctx.metrics.batches_committed.labels(pool.name).inc()
     ctx.metrics.run_solved.labels(pool.name, run.name).set(solved)

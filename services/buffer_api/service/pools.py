@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from sqlalchemy.exc import IntegrityError
 
 from exgrpo_client import schemas as s
@@ -19,6 +17,7 @@ from exgrpo_pool.service.convert import (
     scope_of,
     trajectory_public,
 )
+from exgrpo_pool.service.stats import collect_run_stats
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import POOLED_SCOPE, PolicyVersion, Pool, Run, utcnow
 
@@ -250,39 +249,17 @@ async def list_run_metrics(
 
 
 # ------------------------------------------------------------------------------------- stats
-async def _run_stats(ctx: Context, session: repo.AsyncSession, pool: Pool, run: Run) -> s.RunStats:
-    hist, retired, seen = await repo.state_counts(session, scope_of(pool, run))
-    total, recent = await repo.run_trajectory_counts(session, run.id, utcnow() - timedelta(minutes=5))
-    last = await repo.last_committed_batch(session, run.id)
-    eligible = sum(hist.values())
-    ctx.metrics.run_eligible.labels(pool.name, run.name).set(eligible)
-    ctx.metrics.run_retired.labels(pool.name, run.name).set(retired)
-    return s.RunStats(
-        run=run.name,
-        pool=pool.name,
-        phase=run.phase,  # type: ignore[arg-type]
-        step=run.step,
-        policy_version=run.policy_version,
-        buckets=[s.BucketCount(bucket=b, questions=n) for b, n in sorted(hist.items())],
-        eligible=eligible,
-        retired=retired,
-        seen=seen,
-        trajectories=total,
-        replayed_last_step=0 if last is None else len(last.plan["replay"]),
-        ingest_per_minute=recent / 5.0,
-    )
-
-
 async def run_stats(ctx: Context, pool: Pool, name: str) -> s.RunStats:
     async with ctx.db.read() as session:
-        return await _run_stats(ctx, session, pool, await _get_run(session, pool, name))
+        return await collect_run_stats(ctx, session, pool, await _get_run(session, pool, name))
 
 
 async def pool_stats(ctx: Context, pool: Pool) -> s.PoolStats:
     async with ctx.db.read() as session:
         nq, nt, nr = await repo.pool_counts(session, pool.id)
         tokens = await repo.pool_tokens(session, pool.id)
-        runs = [await _run_stats(ctx, session, pool, r) for r in await repo.list_runs(session, pool.id)]
+        all_runs = await repo.list_runs(session, pool.id)
+        runs = [await collect_run_stats(ctx, session, pool, r) for r in all_runs]
     ctx.metrics.pool_questions.labels(pool.name).set(nq)
     ctx.metrics.pool_trajectories.labels(pool.name).set(nt)
     return s.PoolStats(

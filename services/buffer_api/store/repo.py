@@ -309,14 +309,13 @@ async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, lim
 
 
 async def run_trajectory_counts(session: AsyncSession, run_id: int, since: datetime) -> tuple[int, int]:
-    total = await session.scalar(
-        select(func.count()).select_from(Trajectory).where(Trajectory.source_run_id == run_id)
-    )
-    recent = await session.scalar(
-        select(func.count())
+    """(trajectories the run stored, of which since `since`), in one query."""
+    stmt = (
+        select(func.count(), func.count().filter(Trajectory.created_at >= since))
         .select_from(Trajectory)
-        .where(Trajectory.source_run_id == run_id, Trajectory.created_at >= since)
+        .where(Trajectory.source_run_id == run_id)
     )
+    total, recent = (await session.execute(stmt)).one()
     return int(total or 0), int(recent or 0)
 
 
