@@ -44,11 +44,11 @@ def make_pool(
     client.import_questions(name, items[:questions])
 
 
-def run_overrides(url: str, pool: str, model: Path, out: Path, *overrides: str) -> list[str]:
+def run_overrides(url: str | None, pool: str, model: Path, out: Path, *overrides: str) -> list[str]:
     """Small, fast settings as `key=value` items: short responses, in-process grading, no
-    TensorBoard or progress bar."""
+    TensorBoard or progress bar. Without `url`, run.pool_url is left to the caller (e.g. `--url`)."""
     return [
-        f"run.pool_url={url}",
+        *([f"run.pool_url={url}"] if url is not None else []),
         f"run.pool={pool}",
         f"run.output_dir={out}",
         f"model.path={model}",

@@ -14,26 +14,14 @@ from typer.testing import CliRunner
 from exgrpo_cli.main import app
 from exgrpo_client import Client
 
-from ._helpers import PARITY, child_env, make_pool, read_metrics
+from ._helpers import child_env, make_pool, read_metrics, run_overrides
 
 EXGRPO = Path(sys.executable).with_name("exgrpo")
 BANNER = "# exgrpo trainer settings"
 
 
 def _overrides(pool: str, model: Path, out: Path, steps: int) -> list[str]:
-    return [
-        f"model.path={model}",
-        f"run.pool={pool}",
-        f"run.output_dir={out}",
-        f"run.steps={steps}",
-        "rollout.max_new_tokens=12",
-        "rollout.min_new_tokens=4",
-        f"rollout.grader={PARITY}",
-        "rollout.grading_workers=0",
-        "optim.lr=1e-3",
-        "logging.tensorboard=false",
-        "logging.progress=false",
-    ]
+    return run_overrides(None, pool, model, out, f"run.steps={steps}")  # the URL comes from --url
 
 
 def test_train_in_process_from_the_grpo_recipe(
