@@ -238,12 +238,7 @@ class Trainer:
         if dist.is_main():
             assert self.client is not None
             cfg = self.cfg
-            overrides = s.RunOverrides(
-                experience=cfg.experience.enabled,
-                experience_ratio=cfg.experience.ratio,
-                start_threshold=cfg.experience.start_threshold,
-                batch_size=cfg.experience.batch_size,
-            )
+            overrides = s.RunOverrides(**cfg.run_overrides())
             try:
                 run = self.client.get_run(cfg.run.pool, cfg.run.name)
             except NotFound:
