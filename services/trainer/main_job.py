@@ -142,6 +142,9 @@ def run_main_job(opts: MainJobOptions) -> Path:
     console = Console(stderr=True)
     started = time.perf_counter()
     one_thread_on_small_boxes()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no per-load progress bars inside the job's own display
     pool_rules, job_sizes, trainer_overrides = split_overrides(opts.overrides)
     recipe_path, job = _recipe(opts)
     job = dataclasses.replace(job, **job_sizes)
