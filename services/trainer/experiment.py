@@ -34,6 +34,8 @@ from typing import Any
 
 from rich.console import Console
 
+from exgrpo_trainer.report import read_jsonl
+
 
 @dataclass(frozen=True)
 class Arm:
@@ -94,13 +96,12 @@ def _launch(arm: Arm, seed: int, opts: ExperimentOptions) -> tuple[int, float]:
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "COLUMNS": "100"}
+    command = _command(arm, seed, opts, folder)
     started = time.perf_counter()
     with (folder / "run.log").open("w") as logf:
-        logf.write("$ " + " ".join(_command(arm, seed, opts, folder)) + "\n")
+        logf.write("$ " + " ".join(command) + "\n")
         logf.flush()
-        rc = subprocess.call(
-            _command(arm, seed, opts, folder), stdout=logf, stderr=subprocess.STDOUT, env=env
-        )
+        rc = subprocess.call(command, stdout=logf, stderr=subprocess.STDOUT, env=env)
     return rc, time.perf_counter() - started
 
 
@@ -126,13 +127,10 @@ def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> P
     failed: list[str] = []
     if not opts.report_only and todo:
         # build the cached warm-started model once, before parallel runs would race to build it
-        from exgrpo_trainer.main_job import MainJobOptions, one_thread_on_small_boxes
-        from exgrpo_trainer.warmstart import prepare_model
+        from exgrpo_trainer.main_job import MainJobOptions, one_thread_on_small_boxes, warm_started_model
 
         one_thread_on_small_boxes()
-        cache = MainJobOptions().cache / ("warmstart-quick" if opts.quick else "warmstart")
-        with console.status("preparing the warm-started model (first run only)"):
-            prepare_model(cache.resolve(), seed=0, quick=opts.quick)
+        warm_started_model(MainJobOptions(quick=opts.quick), console)
         console.print(
             f"experiment: {len(todo)} of {total} runs to do ({len(arms)} arms x {opts.seeds} seeds), "
             f"{opts.rollouts} rollouts each, {opts.jobs} at a time -> {opts.out}"
@@ -174,12 +172,6 @@ def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> P
 
 
 # ----------------------------------------------------------------------------------- results
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _stats(xs: Sequence[float]) -> dict[str, float]:
     n = len(xs)
     mean = sum(xs) / n
@@ -205,9 +197,7 @@ def load_runs(out: Path, arm: str, seeds: int) -> list[RunResult]:
         folder = _run_dir(out, arm, seed)
         if not (folder / "summary.json").exists():
             continue
-        runs.append(
-            RunResult(seed, _read_jsonl(folder / "eval.jsonl"), _read_jsonl(folder / "metrics.jsonl"))
-        )
+        runs.append(RunResult(seed, read_jsonl(folder / "eval.jsonl"), read_jsonl(folder / "metrics.jsonl")))
     return runs
 
 

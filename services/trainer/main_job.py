@@ -280,16 +280,21 @@ def _log_to(path: Path) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def warm_started_model(opts: MainJobOptions, console: Console) -> Path:
+    """The cached warm-started model of the job (`--quick` or not), built on first use."""
+    from exgrpo_trainer.warmstart import prepare_model
+
+    target = (opts.cache / ("warmstart-quick" if opts.quick else "warmstart")).resolve()
+    with console.status("preparing the warm-started model (first run only)"):
+        return prepare_model(target, seed=0, quick=opts.quick)
+
+
 def _prepare_model(opts: MainJobOptions, console: Console) -> Path:
     if opts.model is not None:
         if not (opts.model / "config.json").exists():
             raise ValueError(f"--model {opts.model}: not a Hugging Face model folder (no config.json)")
         return opts.model.resolve()
-    from exgrpo_trainer.warmstart import prepare_model
-
-    target = (opts.cache / ("warmstart-quick" if opts.quick else "warmstart")).resolve()
-    with console.status("preparing the warm-started model (first run only)"):
-        path = prepare_model(target, seed=0, quick=opts.quick)
+    path = warm_started_model(opts, console)
     info = json.loads((path / "warmstart.json").read_text())
     console.print(f"model: {path} ({info.get('parameters', 0) / 1e6:.2f}M parameters, warm-started by SFT)")
     return path
