@@ -1,0 +1,45 @@
+"""The ExGRPO learner on PyTorch FSDP2.
+
+Public API (what the one-box job, the CLI and other callers use; everything else is internal):
+
+    from exgrpo_trainer import TrainConfig, load_config, run_training
+
+    cfg = load_config("exgrpo", ["model.path=models/m", "run.pool=math"])   # or TrainConfig(...)
+    trainer = run_training(cfg, on_step=hook)   # hook(trainer, metrics) -> True ends the run
+
+A step hook sees the `Trainer`: `trainer.step`, `trainer.cfg`, `trainer.tokenizer`, and
+`with trainer.generation_engine() as engine:` (a rollout engine over the full current weights,
+entered on every rank together).
+
+Heavy modules (torch, transformers) are imported on first use of a name that needs them, so
+`exgrpo_trainer.config` stays cheap to import.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from exgrpo_trainer.config import TrainConfig, format_config_error, load_config, recipes
+
+if TYPE_CHECKING:
+    from exgrpo_trainer.trainer import StepHook, Trainer, run_training
+
+__all__ = [
+    "StepHook",
+    "TrainConfig",
+    "Trainer",
+    "format_config_error",
+    "load_config",
+    "recipes",
+    "run_training",
+]
+
+_LAZY = {"StepHook", "Trainer", "run_training"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from exgrpo_trainer import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'exgrpo_trainer' has no attribute {name!r}")

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from exgrpo_trainer.algo import LossConfig
+
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 """YAML recipes shipped with the trainer: `exgrpo` (spec defaults) and `grpo` (no replay)."""
 
@@ -88,25 +90,6 @@ class ExperienceSection(_Section):
     """Questions per step; None uses the pool's."""
 
 
-class LossSection(_Section):
-    clip_eps: float = 0.2
-    clip_upper_bound: float = 1.0
-    clip_before_switch: bool = True
-    clip_after_switch: bool = False
-    beta: float = Field(0.1, gt=0)
-    """Policy shaping f(w) = w / (w + beta) of replayed tokens."""
-    max_response_len: int | None = None
-    """L_max of the normaliser; None = rollout.max_new_tokens."""
-    normalizer: float | None = None
-    """Constant divisor of the summed token losses; None = L_max * 8 (spec default)."""
-    entropy_coeff: float = 0.001
-    kl_coeff: float = 0.0
-    exp_is_correct: bool = True
-    """Replayed tokens use the stored behaviour log-probs (True) or pi_old (False)."""
-    advantage_std: bool = False
-    """Divide advantages by the group's std (off in ExGRPO)."""
-
-
 class OptimSection(_Section):
     lr: float = Field(1e-6, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -148,10 +131,29 @@ class TrainConfig(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     experience: ExperienceSection = Field(default_factory=ExperienceSection)
-    loss: LossSection = Field(default_factory=LossSection)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    """The loss's own settings class (algo.LossConfig), embedded; `loss.max_response_len` defaults to
+    `rollout.max_new_tokens`."""
     optim: OptimSection = Field(default_factory=OptimSection)
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_defaults(cls, data: Any) -> Any:
+        """Settings whose default is another setting are filled here, once, so the config that is
+        printed and saved is the one every component reads."""
+        if isinstance(data, dict):
+            loss = data.get("loss")
+            if loss is None or (isinstance(loss, dict) and loss.get("max_response_len") is None):
+                rollout = data.get("rollout") or {}
+                max_new = (
+                    rollout.max_new_tokens
+                    if isinstance(rollout, RolloutSection)
+                    else rollout.get("max_new_tokens", RolloutSection.model_fields["max_new_tokens"].default)
+                )
+                data = {**data, "loss": {**(loss or {}), "max_response_len": max_new}}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -161,7 +163,7 @@ class TrainConfig(_Section):
 
     @property
     def max_response_len(self) -> int:
-        return self.loss.max_response_len or self.rollout.max_new_tokens
+        return self.loss.max_response_len
 
     def run_overrides(self) -> dict[str, Any]:
         """The run's batch-level rules on the service (`RunOverrides` fields) from this config."""

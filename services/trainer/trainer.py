@@ -33,7 +33,6 @@ from exgrpo_trainer import dist
 from exgrpo_trainer.algo import (
     Completion,
     ExGRPOLoss,
-    LossConfig,
     PlannedQuestion,
     Row,
     build_rows,
@@ -106,20 +105,7 @@ class Trainer:
             weight_decay=cfg.optim.weight_decay,
             fused=True,  # one kernel per step instead of a loop over tensors (5x faster on CPU too)
         )
-        self.loss = ExGRPOLoss(
-            LossConfig(
-                clip_eps=cfg.loss.clip_eps,
-                clip_upper_bound=cfg.loss.clip_upper_bound,
-                clip_before_switch=cfg.loss.clip_before_switch,
-                clip_after_switch=cfg.loss.clip_after_switch,
-                beta=cfg.loss.beta,
-                max_response_len=cfg.max_response_len,
-                normalizer=cfg.loss.normalizer,
-                entropy_coeff=cfg.loss.entropy_coeff,
-                kl_coeff=cfg.loss.kl_coeff,
-                exp_is_correct=cfg.loss.exp_is_correct,
-            )
-        )
+        self.loss = ExGRPOLoss(cfg.loss)
         self.ref_model: torch.nn.Module | None = None
         if cfg.loss.kl_coeff > 0:
             # frozen, sharded like the policy; not checkpointed (it is reloaded from its folder)
@@ -188,6 +174,13 @@ class Trainer:
             self._close_sender()
             if self.logger is not None:
                 self.logger.close()
+
+    @contextmanager
+    def generation_engine(self) -> Iterator[TransformersEngine]:
+        """The rollout engine over the full current weights (gathered for the block); every rank
+        enters it together."""
+        with unsharded(self.model):
+            yield self.engine
 
     def close(self) -> None:
         self._close_sender()  # before the client it posts with

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,7 +40,11 @@ in float32 for corrupted inputs. Replayed tokens need no bound: ``f(w)`` is eval
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LossConfig:
-    """Settings of `ExGRPOLoss`; the defaults reproduce the official run."""
+    """Settings of `ExGRPOLoss`; the defaults reproduce the official run. The trainer's config embeds
+    this class as its `loss:` section (validated there; unknown keys are refused)."""
+
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid"}
+    """Read by pydantic when the class is a field of a model (no import of pydantic here)."""
 
     clip_eps: float = 0.2
     """PPO clip range for fresh tokens: the ratio is clipped to ``[1 - clip_eps, upper]``."""
@@ -70,6 +75,10 @@ class LossConfig:
 
     exp_is_correct: bool = True
     """Replayed tokens divide by the stored behaviour log-probs (True) or by the recomputed old ones."""
+
+    advantage_std: bool = False
+    """Divide advantages by the group's standard deviation (off in ExGRPO; read by the advantage
+    computation that feeds this loss)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.clip_eps < 1.0:
