@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _data import VALID
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from exgrpo_rollout.engines.base import SamplingConfig
@@ -30,7 +31,6 @@ from exgrpo_rollout.engines.hf import TransformersEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "exgrpo-data/cache"
-DATA = Path("/work/shared/data/exgrpo/valid.parquet")
 OUT = ROOT / "bench/out/generation_bench.json"
 
 
@@ -39,11 +39,11 @@ def _arith_questions(n: int) -> list[str]:
 
 
 def _math_questions(n: int) -> list[str]:
-    if not DATA.exists():
+    if not VALID.exists():
         return _arith_questions(n)
     import pyarrow.parquet as pq
 
-    rows = pq.read_table(DATA, columns=["prompt"]).slice(0, n).column("prompt").to_pylist()
+    rows = pq.read_table(VALID, columns=["prompt"]).slice(0, n).column("prompt").to_pylist()
     return [next(m["content"] for m in msgs if m["role"] == "user") for msgs in rows]
 
 

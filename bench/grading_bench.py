@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from pathlib import Path
 
 import pyarrow.parquet as pq
+from _data import TEST_ID
 
 from exgrpo_rollout.graders import GradingPool, grade_one
-
-DATA = Path("/work/shared/data/exgrpo/test.id.parquet")
 
 _FILLER = [
     "Let me reconsider the constraint on $x$ and check whether $x^2 + 3x - 4 = 0$ has integer roots.",
@@ -34,8 +32,8 @@ _FILLER = [
 
 
 def _golds() -> list[str]:
-    if DATA.exists():
-        rows = pq.read_table(DATA, columns=["reward_model"]).column("reward_model").to_pylist()
+    if TEST_ID.exists():
+        rows = pq.read_table(TEST_ID, columns=["reward_model"]).column("reward_model").to_pylist()
         return sorted({r["ground_truth"] for r in rows})
     return ["204", "025", "142.0", "\\frac{14}{3}", "3\\sqrt{13}", "$\\frac{1}{2 n+2}$"]
 

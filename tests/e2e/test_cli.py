@@ -17,14 +17,14 @@ from typing import Any
 import httpx
 import pytest
 from click.testing import Result
+from shared_data import VALID, needs
 from typer.testing import CliRunner
 
 from exgrpo_cli.main import app
 from exgrpo_client import GroupResult, rollout
 from exgrpo_client.io import read_questions
 
-VALID = Path("/work/shared/data/exgrpo/valid.parquet")
-needs_valid = pytest.mark.skipif(not VALID.is_file(), reason=f"{VALID} is not on this machine")
+needs_valid = needs(VALID)
 EXGRPO = Path(sys.executable).with_name("exgrpo")
 
 

@@ -9,17 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_data import ARC_C, VALID, needs
 from typer.testing import CliRunner
 
 from exgrpo_cli.main import app
 from exgrpo_trainer.tiny import build_tiny_model
 
-DATA = Path("/work/shared/data")
-VALID = DATA / "exgrpo" / "valid.parquet"
-ARC = DATA / "luffy_ood" / "valid.arc_c.parquet"
 GRADER_REASONS = {"correct", "wrong_answer", "no_answer", "empty", "bad_gold", "timeout"}
 
-pytestmark = pytest.mark.skipif(not VALID.is_file(), reason=f"{VALID} is not on this machine")
+pytestmark = needs(VALID)
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +58,10 @@ def test_eval_on_a_valid_slice(tiny_model: Path, tmp_path: Path) -> None:
     assert [s["index"] for s in samples if s["data_source"] == "aime"] == [0, 0, 0]
 
 
-@pytest.mark.skipif(not ARC.is_file(), reason=f"{ARC} is not on this machine")
+@needs(ARC_C)
 def test_eval_picks_the_choice_grader_for_arc(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "arc.jsonl"
-    summary = _eval(tiny_model, ARC, out, "--limit", "2")
+    summary = _eval(tiny_model, ARC_C, out, "--limit", "2")
     assert [(b["data_source"], b["rows"], b["metric"]) for b in summary["benchmarks"]] == [
         ("arc_c", 2, "pass@1")
     ]

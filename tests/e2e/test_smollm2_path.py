@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from shared_data import VALID
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = Path(os.environ.get("EXGRPO_VALID_PARQUET", "/work/shared/data/exgrpo/valid.parquet"))
+DATA = Path(os.environ.get("EXGRPO_VALID_PARQUET") or VALID)
 MODEL_DIR = Path(os.environ.get("EXGRPO_SMOLLM2_DIR", ROOT / "exgrpo-data/cache/smollm2-135m-instruct"))
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

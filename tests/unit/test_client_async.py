@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 from asgi_lifespan import LifespanManager
+from shared_data import VALID
 
 from exgrpo_client import (
     AsyncClient,
@@ -30,7 +31,6 @@ from exgrpo_client.io import read_questions
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import Settings, TokenGrant
 
-VALID = Path("/work/shared/data/exgrpo/valid.parquet")
 K = 4
 
 

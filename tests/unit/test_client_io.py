@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from shared_data import VALID, needs
 
 from exgrpo_client.io import (
     QuestionFileError,
@@ -18,8 +19,7 @@ from exgrpo_client.io import (
     read_questions,
 )
 
-VALID = Path("/work/shared/data/exgrpo/valid.parquet")
-needs_valid = pytest.mark.skipif(not VALID.is_file(), reason=f"{VALID} is not on this machine")
+needs_valid = needs(VALID)
 
 
 @needs_valid

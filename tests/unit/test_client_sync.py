@@ -7,11 +7,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from shared_data import VALID, needs
 
 from exgrpo_client import Client, GroupResult, NotFound, TransportError, rollout
 from exgrpo_client.io import read_questions
-
-VALID = Path("/work/shared/data/exgrpo/valid.parquet")
 
 
 def _group(question_id: int, k: int, *, replayed: bool = False) -> GroupResult:
@@ -22,7 +21,7 @@ def _group(question_id: int, k: int, *, replayed: bool = False) -> GroupResult:
     return GroupResult(question_id=question_id, rollouts=rows)
 
 
-@pytest.mark.skipif(not VALID.is_file(), reason=f"{VALID} is not on this machine")
+@needs(VALID)
 def test_full_step_over_http(live_server: Any, pool_name: str, tmp_path: Path) -> None:
     with Client(live_server.url, timeout=60) as client:
         assert client.health().ok and client.ready().ok

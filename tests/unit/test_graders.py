@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
+from shared_data import ARC_C, GPQA, TEST_ID, needs
 
 from exgrpo_rollout.graders import BUILTIN_GRADERS, Grade, get_grader, grade_one
 from exgrpo_rollout.graders.arithmetic import arithmetic, parse_integer
@@ -22,10 +22,6 @@ from exgrpo_rollout.graders.extract import (
     think_solution,
 )
 from exgrpo_rollout.graders.math_think import grade_math_think, math_think, math_think_strip_eos
-
-TEST_ID = Path("/work/shared/data/exgrpo/test.id.parquet")
-ARC_C = Path("/work/shared/data/luffy_ood/valid.arc_c.parquet")
-GPQA = Path("/work/shared/data/luffy_ood/valid.gpqa.parquet")
 
 # --------------------------------------------------------------------------------------------
 # TV11 (spec section 11): reward v3 with the installed Math-Verify
@@ -252,7 +248,7 @@ def test_answers_equivalent_fallbacks() -> None:
     assert not answers_equivalent("2^{10000}", "2^{10001}", use_math_verify=False)  # sympy skipped
 
 
-@pytest.mark.skipif(not TEST_ID.exists(), reason="evaluation data not available")
+@needs(TEST_ID)
 def test_boxed_on_benchmark_golds() -> None:
     import pyarrow.parquet as pq
 
@@ -315,7 +311,7 @@ def test_choice_wrong_and_missing() -> None:
     assert normalize_choice("the answer is: A") == "A"
 
 
-@pytest.mark.skipif(not (ARC_C.exists() and GPQA.exists()), reason="OOD data not available")
+@needs(ARC_C, GPQA)
 def test_choice_on_ood_golds() -> None:
     import pyarrow.parquet as pq
 

@@ -3,9 +3,8 @@ the generate-grade pipeline with a scripted engine."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from shared_data import VALID, needs
 from transformers import PreTrainedTokenizerFast
 
 from exgrpo_rollout.engines.base import Completion, GenerationStats, SamplingConfig
@@ -18,8 +17,6 @@ from exgrpo_rollout.evaluate import (
     load_rows,
 )
 from exgrpo_trainer.tiny import build_tokenizer
-
-VALID = Path("/work/shared/data/exgrpo/valid.parquet")
 
 
 def _record(source: str, index: int, reward: float) -> SampleRecord:
@@ -51,7 +48,7 @@ def test_grader_for_sources() -> None:
     assert grader_for("arc_c", "boxed") == "boxed"
 
 
-@pytest.mark.skipif(not VALID.is_file(), reason=f"{VALID} is not on this machine")
+@needs(VALID)
 def test_load_rows_limit_per_source() -> None:
     rows = load_rows(VALID, limit=3)
     sources = [r.data_source for r in rows]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from shared_data import VALID, needs
 
 from exgrpo_client.io import read_questions
 from exgrpo_rollout.graders import grade_one
@@ -24,8 +25,6 @@ from exgrpo_trainer.synthetic import (
     reference_response,
     write_parquet,
 )
-
-VALID = Path("/work/shared/data/exgrpo/valid.parquet")
 
 
 def _value(p: Problem) -> int:
@@ -137,7 +136,7 @@ def test_parquet_round_trip_through_the_question_reader(tmp_path: Path) -> None:
     assert {r["style"] for r in table.column("reward_model").to_pylist()} == {"rule"}
 
 
-@pytest.mark.skipif(not VALID.exists(), reason="the ExGRPO validation file is not on this machine")
+@needs(VALID)
 def test_parquet_columns_match_the_exgrpo_files(tmp_path: Path) -> None:
     path = write_parquet(tmp_path / "q.parquet", make_questions(3))
     ours, theirs = pq.read_schema(path), pq.read_schema(VALID)
