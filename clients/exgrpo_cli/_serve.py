@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,9 @@ log = logging.getLogger("exgrpo.cli")
 
 DEMO_POOL = "demo"
 DEMO_RUN = "demo"
-DEMO_DATA = Path("/work/shared/data/exgrpo/valid.parquet")
 DEMO_QUESTIONS = 200
+EXAMPLE_QUESTIONS = "examples/questions.jsonl"
+"""Package data of `exgrpo_cli`: the demo pool's questions unless a file is given."""
 DEMO_CONFIG = {"k": 8, "batch_size": 16}
 
 
@@ -124,38 +125,22 @@ async def _seed_demo(app: Any, settings: Settings, demo_data: Path | None) -> No
 
 
 def demo_questions(path: Path | None) -> tuple[list[s.QuestionCreate], str]:
-    """The first distinct questions of the demo data file, or arithmetic ones when it is missing."""
-    path = path or Path(os.environ.get("EXGRPO_DEMO_DATA", DEMO_DATA))
-    if not path.is_file():
-        return arithmetic_questions(64), "synthetic arithmetic"
+    """The first distinct questions of the demo file: `path`, else $EXGRPO_DEMO_DATA, else the
+    example questions shipped with this package. A missing or unreadable file raises
+    `QuestionFileError`."""
+    given = path or os.environ.get("EXGRPO_DEMO_DATA")
+    if given:
+        return _distinct_questions(Path(given)), str(given)
+    with resources.as_file(resources.files("exgrpo_cli") / EXAMPLE_QUESTIONS) as example:
+        return _distinct_questions(example), "the example questions"
+
+
+def _distinct_questions(path: Path) -> list[s.QuestionCreate]:
     # evaluation files repeat questions (avg@k); the demo wants distinct ones
     questions: dict[tuple[str, str], s.QuestionCreate] = {}
     for chunk in read_questions(path, batch_size=500):
         for q in chunk:
             questions.setdefault((q.model_dump_json(include={"prompt"}), q.ground_truth), q)
             if len(questions) == DEMO_QUESTIONS:
-                return list(questions.values()), str(path)
-    return list(questions.values()), str(path)
-
-
-def arithmetic_questions(n: int, seed: int = 0) -> list[s.QuestionCreate]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        a, b = rng.randint(2, 99), rng.randint(2, 99)
-        op = "+" if i % 2 == 0 else "*"
-        answer = a + b if op == "+" else a * b
-        out.append(
-            s.QuestionCreate(
-                prompt=[
-                    s.ChatMessage(
-                        role="user",
-                        content=f"What is {a} {op} {b}? Put the final answer in \\boxed{{}}.",
-                    )
-                ],
-                ground_truth=str(answer),
-                data_source="synthetic/arithmetic",
-                external_id=f"arith-{i}",
-            )
-        )
-    return out
+                return list(questions.values())
+    return list(questions.values())

@@ -119,7 +119,10 @@ def serve(
     ] = False,
     demo_data: Annotated[
         Path | None,
-        typer.Option(help="Question file of the demo pool (EXGRPO_DEMO_DATA); first 200 rows are used."),
+        typer.Option(
+            help="Question file of the demo pool (EXGRPO_DEMO_DATA; default: the 48 example questions "
+            "shipped with the CLI); its first 200 distinct questions are used."
+        ),
     ] = None,
 ) -> None:
     """Run the pool service. EXGRPO_* variables configure it; flags override them."""

@@ -25,6 +25,8 @@ from exgrpo_client import GroupResult, rollout
 from exgrpo_client.io import read_questions
 
 needs_valid = needs(VALID)
+EXAMPLE_QUESTIONS = 48
+"""Questions in clients/exgrpo_cli/examples/questions.jsonl, the demo pool's default."""
 EXGRPO = Path(sys.executable).with_name("exgrpo")
 
 
@@ -292,7 +294,7 @@ def test_serve_demo_as_a_process(tmp_path: Path) -> None:
                 pass
             time.sleep(0.2)
         assert pool is not None, "the demo pool did not appear"
-        assert pool["num_questions"] == (200 if VALID.is_file() else 64)
+        assert pool["num_questions"] == EXAMPLE_QUESTIONS
         assert pool["config"]["k"] == 8
         runs = httpx.get(f"{url}/v1/pools/demo/runs", timeout=5).json()
         assert [r["name"] for r in runs["data"]] == ["demo"]
@@ -343,15 +345,41 @@ async def _pools_after_seeding(settings: Any, demo_data: Path | None, token: str
             return pools
 
 
-async def test_demo_pool_from_synthetic_questions(tmp_path: Path) -> None:
+async def test_demo_pool_from_the_shipped_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from exgrpo_pool.config import Settings
 
+    monkeypatch.delenv("EXGRPO_DEMO_DATA", raising=False)
     settings = Settings(
         allow_anonymous=True, database_url=f"sqlite+aiosqlite:///{tmp_path}/p.db", log_level="ERROR"
     )
-    (pool,) = await _pools_after_seeding(settings, tmp_path / "missing.parquet")
-    assert pool.name == "demo" and pool.num_questions == 64 and pool.config.batch_size == 16
-    assert pool.description == "demo pool: 64 questions from synthetic arithmetic"
+    (pool,) = await _pools_after_seeding(settings, None)
+    assert pool.name == "demo" and pool.num_questions == EXAMPLE_QUESTIONS and pool.config.batch_size == 16
+    assert pool.description == f"demo pool: {EXAMPLE_QUESTIONS} questions from the example questions"
+
+
+async def test_demo_pool_from_a_file_in_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from exgrpo_pool.config import Settings
+
+    questions = tmp_path / "q.jsonl"
+    rows = [{"prompt": f"{i} + 1?", "answer": i + 1} for i in range(5)]
+    questions.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    monkeypatch.setenv("EXGRPO_DEMO_DATA", str(questions))
+    settings = Settings(
+        allow_anonymous=True, database_url=f"sqlite+aiosqlite:///{tmp_path}/p.db", log_level="ERROR"
+    )
+    (pool,) = await _pools_after_seeding(settings, None)
+    assert pool.num_questions == 5 and pool.description == f"demo pool: 5 questions from {questions}"
+
+    # a file that is not there is said in the log, and no pool is made from something else
+    missing = tmp_path / "missing.parquet"
+    other = Settings(
+        allow_anonymous=True, database_url=f"sqlite+aiosqlite:///{tmp_path}/o.db", log_level="WARNING"
+    )
+    capfd.readouterr()
+    assert await _pools_after_seeding(other, missing) == []
+    assert f"demo pool not created: {missing}: no such file" in capfd.readouterr().err
 
 
 @needs_valid
@@ -367,7 +395,7 @@ async def test_demo_pool_from_the_validation_set_with_a_token(tmp_path: Path) ->
             TokenGrant(token=token, scopes=["admin"]),
         ],
     )
-    (pool,) = await _pools_after_seeding(settings, None, token)
+    (pool,) = await _pools_after_seeding(settings, VALID, token)
     assert pool.num_questions == 200  # distinct questions: the file repeats some
 
 
@@ -381,7 +409,7 @@ async def test_demo_pool_needs_write_access(tmp_path: Path) -> None:
         database_url=f"sqlite+aiosqlite:///{tmp_path}/p.db",
         log_level="ERROR",
     )
-    assert await _pools_after_seeding(settings, tmp_path / "missing.parquet") == []
+    assert await _pools_after_seeding(settings, None) == []
 
 
 def test_bearer_token_from_flag_or_environment(
