@@ -8,8 +8,9 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 from pydantic import BaseModel, ValidationError
 from rich.console import Console, Group, RenderableType
 from rich.progress import (
@@ -26,6 +27,11 @@ from rich.table import Table
 from rich.text import Text
 
 from exgrpo_client import schemas as s
+
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Plain JSON on stdout instead of tables (also before the command).")
+]
+"""The --json option of a command that prints data; `exgrpo --json COMMAND` sets the same."""
 
 
 def stdout() -> Console:

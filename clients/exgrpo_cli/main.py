@@ -3,7 +3,7 @@
     exgrpo serve --anonymous --demo                  # the service on 127.0.0.1:8700
     exgrpo pool create math --k 8 --batch-size 128
     exgrpo questions import train.parquet --pool math
-    exgrpo --json pool stats math                    # machine-readable output
+    exgrpo pool stats math --json                    # machine-readable output (or: exgrpo --json pool ...)
     exgrpo train --config exgrpo --nproc 2 model.path=models/m run.pool=math
 
 Client commands talk HTTP through `exgrpo_client.Client`. `serve` and `db` need the server
@@ -61,9 +61,11 @@ class State:
         return Client(self.url, token=self.token)
 
 
-def _state(ctx: typer.Context) -> State:
+def _state(ctx: typer.Context, as_json: bool = False) -> State:
+    """The options of `exgrpo` itself; `as_json`: the command's own --json was given."""
     state = ctx.find_object(State)
     assert state is not None, "the app callback sets the state"
+    state.json = state.json or as_json
     return state
 
 
@@ -92,7 +94,9 @@ def main(
         str | None,
         typer.Option(envvar="EXGRPO_TOKEN", help="Bearer token.", show_envvar=True, show_default=False),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON on stdout instead of tables.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Plain JSON on stdout instead of tables (also after the command).")
+    ] = False,
 ) -> None:
     ctx.obj = State(url=url, token=token, json=as_json)
 
@@ -124,11 +128,12 @@ def serve(
             "shipped with the CLI); its first 200 distinct questions are used."
         ),
     ] = None,
+    as_json: render.JsonOption = False,
 ) -> None:
     """Run the pool service. EXGRPO_* variables configure it; flags override them."""
     from exgrpo_cli import _serve
 
-    state = _state(ctx)
+    state = _state(ctx, as_json)
     settings = _serve.build_settings(
         host=host, port=port, database_url=database_url, redis_url=redis_url, allow_anonymous=anonymous
     )
@@ -144,6 +149,7 @@ def db_upgrade(
     database_url: Annotated[
         str | None, typer.Option(envvar="EXGRPO_DATABASE_URL", help="SQLAlchemy async URL.")
     ] = None,
+    as_json: render.JsonOption = False,
 ) -> None:
     """Apply the database migrations (alembic upgrade head)."""
     from exgrpo_cli import _serve
@@ -152,7 +158,9 @@ def db_upgrade(
     _serve.upgrade(url)
     result = {"database_url": _serve.mask_url(url), "revision": "head"}
     render.show(
-        _state(ctx).json, result, lambda: f"database {result['database_url']} is at the latest revision"
+        _state(ctx, as_json).json,
+        result,
+        lambda: f"database {result['database_url']} is at the latest revision",
     )
 
 
@@ -347,6 +355,7 @@ def pool_create(
         Path | None, typer.Option("--config", help="YAML or JSON file of pool rules (flags override it).")
     ] = None,
     description: Annotated[str | None, typer.Option(help="Free text.")] = None,
+    as_json: render.JsonOption = False,
 ) -> None:
     """Create a pool."""
     rules, file_description = _config_file(config) if config is not None else ({}, None)
@@ -358,34 +367,42 @@ def pool_create(
         "sharing": sharing,
     }
     rules.update({key: value for key, value in flags.items() if value is not None})
-    with _state(ctx).client() as client:
+    with _state(ctx, as_json).client() as client:
         pool = client.create_pool(name, rules, description or file_description or "")
     render.show(_state(ctx).json, pool, lambda: render.pool_table(pool))
 
 
 @pool_app.command("list")
 @friendly_errors
-def pool_list(ctx: typer.Context) -> None:
+def pool_list(ctx: typer.Context, as_json: render.JsonOption = False) -> None:
     """List the pools."""
-    with _state(ctx).client() as client:
+    with _state(ctx, as_json).client() as client:
         pools = client.list_pools()
     render.show(_state(ctx).json, pools, lambda: render.pools_table(pools))
 
 
 @pool_app.command("show")
 @friendly_errors
-def pool_show(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Pool name.")]) -> None:
+def pool_show(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Pool name.")],
+    as_json: render.JsonOption = False,
+) -> None:
     """Show a pool and its rules."""
-    with _state(ctx).client() as client:
+    with _state(ctx, as_json).client() as client:
         pool = client.get_pool(name)
     render.show(_state(ctx).json, pool, lambda: render.pool_table(pool))
 
 
 @pool_app.command("stats")
 @friendly_errors
-def pool_stats(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Pool name.")]) -> None:
+def pool_stats(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Pool name.")],
+    as_json: render.JsonOption = False,
+) -> None:
     """Counts of a pool, and per run: phase, step, buckets, retired questions."""
-    with _state(ctx).client() as client:
+    with _state(ctx, as_json).client() as client:
         stats = client.pool_stats(name)
     render.show(_state(ctx).json, stats, lambda: render.stats_table(stats))
 
@@ -396,9 +413,10 @@ def pool_export(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="Pool name.")],
     file: Annotated[Path, typer.Argument(help="Where to write the NDJSON export.")],
+    as_json: render.JsonOption = False,
 ) -> None:
     """Export a pool (questions, runs, states, trajectories) to an NDJSON file."""
-    state = _state(ctx)
+    state = _state(ctx, as_json)
     with (
         state.client() as client,
         render.progress_bar(f"export {name}", total=None, unit="bytes", enabled=not state.json) as progress,
@@ -422,9 +440,10 @@ def pool_import(
     ctx: typer.Context,
     file: Annotated[Path, typer.Argument(help="An export written by `exgrpo pool export`.")],
     name: Annotated[str | None, typer.Option(help="Import under this name instead.")] = None,
+    as_json: render.JsonOption = False,
 ) -> None:
     """Create a pool from an export file (in one transaction: all or nothing)."""
-    state = _state(ctx)
+    state = _state(ctx, as_json)
     total = file.stat().st_size
     with (
         state.client() as client,
@@ -447,9 +466,10 @@ def questions_import(
     pool: Annotated[str, typer.Option(help="Pool to add the questions to.")],
     limit: Annotated[int | None, typer.Option(min=0, help="Import only the first N rows.")] = None,
     chunk_size: Annotated[int, typer.Option(min=1, max=50_000, help="Questions per request.")] = 2000,
+    as_json: render.JsonOption = False,
 ) -> None:
     """Add questions from a file. Questions already in the pool are skipped, so re-running is safe."""
-    state = _state(ctx)
+    state = _state(ctx, as_json)
     batches = read_questions(file, batch_size=chunk_size, limit=limit)  # checks the file first
     rows = count_rows(file)
     total = rows if limit is None else min(rows, limit)

@@ -256,6 +256,7 @@ def eval_command(
         list[str] | None,
         typer.Option("--vllm-option", help="KEY=VALUE passed to vllm.LLM (repeatable).", show_default=False),
     ] = None,
+    as_json: render.JsonOption = False,
 ) -> None:
     """Evaluate a model on a benchmark file (spec 9.1 protocol).
 
@@ -272,7 +273,7 @@ def _eval(ctx: typer.Context, **a: Any) -> None:
     from exgrpo_rollout.evaluate import aggregate, evaluate, load_rows, write_jsonl
     from exgrpo_rollout.graders import GradingPool
 
-    as_json = bool(_ctx_value(ctx, "json"))
+    as_json = bool(_ctx_value(ctx, "json")) or a["as_json"]
     rows = load_rows(a["data"], a["limit"])
     if not rows:
         raise ValueError(f"{a['data']}: no rows")

@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,52 @@ def test_export_import_round_trip(cli: Any, live_server: Any, pool_name: str, tm
     assert (tmp_path / "again.ndjson").stat().st_size == file.stat().st_size
 
 
+# ---------------------------------------------------------------------------------------- --json
+NO_DATA_COMMANDS = {"train", "run", "experiment", "rollout", "model smollm2"}
+"""Commands that print no data document (they train, serve tasks or write a model folder)."""
+
+
+def test_json_after_the_command(cli: Any, pool_name: str, tmp_path: Path) -> None:
+    created = _json(cli("pool", "create", pool_name, "--k", "4", "--json", as_json=False))
+    assert created["name"] == pool_name and created["config"]["k"] == 4
+    for args in (("pool", "list"), ("pool", "show", pool_name), ("pool", "stats", pool_name)):
+        after = _json(cli(*args, "--json", as_json=False))
+        assert after == _json(cli(*args))  # the document of `exgrpo --json ...`
+        assert _json(cli(*args, "--json")) == after  # given in both places
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        "".join(json.dumps({"prompt": f"{i} * 3?", "answer": 3 * i}) + "\n" for i in range(3)), "utf-8"
+    )
+    imported = _json(cli("questions", "import", str(questions), "--pool", pool_name, "--json", as_json=False))
+    assert imported == {"received": 3, "inserted": 3, "duplicates": 0, "num_questions": 3}
+    file = tmp_path / "pool.ndjson"
+    exported = cli("pool", "export", pool_name, str(file), "--json", as_json=False)
+    assert _json(exported)["num_questions"] == 3 and exported.stderr == ""  # no progress bar either
+    copy = _json(cli("pool", "import", str(file), "--name", f"{pool_name}-2", "--json", as_json=False))
+    assert copy["pool"] == f"{pool_name}-2" and copy["questions"] == 3
+
+
+def test_every_command_that_prints_data_takes_json() -> None:
+    import typer.main
+
+    def leaves(group: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+        for name, command in group.commands.items():
+            if hasattr(command, "commands"):  # a group (typer's own click classes)
+                yield from leaves(command, f"{prefix}{name} ")
+            else:
+                yield f"{prefix}{name}", command
+
+    commands = dict(leaves(typer.main.get_command(app)))
+    assert set(commands) >= NO_DATA_COMMANDS
+    assert {"serve", "db upgrade", "eval", "pool stats", "questions import"} <= set(commands)
+    without = [
+        name
+        for name, command in commands.items()
+        if name not in NO_DATA_COMMANDS and not any("--json" in p.opts for p in command.params)
+    ]
+    assert without == []
+
+
 # ---------------------------------------------------------------------------------------- errors
 def test_errors_print_one_line(cli: Any, tmp_path: Path) -> None:
     line = _fails(cli("pool", "show", "nope"), "pool 'nope' does not exist")
@@ -243,6 +290,10 @@ def test_db_upgrade(tmp_path: Path) -> None:
         app, ["--json", "db", "upgrade", "--database-url", f"sqlite+aiosqlite:///{db}"]
     )
     assert _json(result) == {"database_url": f"sqlite+aiosqlite:///{db}", "revision": "head"}
+    again = CliRunner().invoke(
+        app, ["db", "upgrade", "--database-url", f"sqlite+aiosqlite:///{db}", "--json"]
+    )
+    assert _json(again) == _json(result)
     with sqlite3.connect(db) as conn:
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert {"alembic_version", "pool", "question", "run"} <= tables
@@ -270,7 +321,6 @@ def test_serve_demo_as_a_process(tmp_path: Path) -> None:
     env["EXGRPO_LOG_LEVEL"] = "WARNING"
     command = [
         str(EXGRPO),
-        "--json",
         "serve",
         "--anonymous",
         "--demo",
@@ -278,6 +328,7 @@ def test_serve_demo_as_a_process(tmp_path: Path) -> None:
         str(port),
         "--database-url",
         f"sqlite+aiosqlite:///{tmp_path}/pool.db",
+        "--json",
     ]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
     url = f"http://127.0.0.1:{port}"
