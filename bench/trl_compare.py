@@ -8,7 +8,7 @@ One invocation runs, in turn and in fresh processes, three kinds of run and repe
   ``bench/setup_trl_env.sh``; TRL is never installed into the project's ``.venv``);
 * ``ours/exgrpo``: our trainer with experience on, in the mixed phase with replay.
 
-Both sides get the same model folder (tiny Qwen2 from ``exgrpo_trainer.tiny``), the same prompts
+Both sides get the same model folder (tiny Qwen2 from ``exgrpo_onebox.tiny``), the same prompts
 (synthetic ``a+b`` questions through the same chat template), K completions per prompt, the same
 number of prompts per step, exactly ``max_new_tokens`` tokens per completion (``min_new_tokens`` set
 to the same value on both sides), the same deterministic parity reward, one optimizer step per

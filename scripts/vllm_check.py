@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"exgrpo_rollout": "services/rollout", "exgrpo_trainer": "services/trainer"}
+PACKAGES = {"exgrpo_rollout": "services/rollout", "exgrpo_onebox": "services/onebox"}
 
 
 def make_importable() -> None:
@@ -72,7 +72,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_model(workdir: Path) -> Path:
-    from exgrpo_trainer.tiny import build_tiny_model
+    from exgrpo_onebox.tiny import build_tiny_model
 
     # head_dim 64: vLLM's CPU attention refuses 16 (the default tiny model's)
     return build_tiny_model(workdir / "tiny", hidden=128, heads=2, kv_heads=1, seed=0)

@@ -254,7 +254,7 @@ def run_job(
         raise ValueError(
             "the main job needs the train extra: pip install 'exgrpo-stack[server,train,rollout]'"
         )
-    from exgrpo_trainer.main_job import options_from, run_main_job
+    from exgrpo_onebox.main_job import options_from, run_main_job
 
     run_main_job(
         options_from(
@@ -304,7 +304,7 @@ def experiment(
         raise ValueError(
             "the experiment needs the train extra: pip install 'exgrpo-stack[server,train,rollout]'"
         )
-    from exgrpo_trainer.experiment import ARM_NAMES, ExperimentOptions, run_experiment
+    from exgrpo_onebox.experiment import ARM_NAMES, ExperimentOptions, run_experiment
 
     chosen = ARM_NAMES if arms == "all" else tuple(a.strip() for a in arms.split(",") if a.strip())
     run_experiment(

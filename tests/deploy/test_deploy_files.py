@@ -56,8 +56,8 @@ def test_trainer_arguments_are_parsed() -> None:
 
 
 def test_python_c_imports_are_checked() -> None:
-    assert dc.check_python_c("from exgrpo_trainer.tiny import build_tiny_model") is None
-    assert dc.check_python_c("from exgrpo_trainer.tiny import build_huge_model") is not None
+    assert dc.check_python_c("from exgrpo_onebox.tiny import build_tiny_model") is None
+    assert dc.check_python_c("from exgrpo_onebox.tiny import build_huge_model") is not None
     assert dc.check_python_c("import no_such_module_here") is not None
 
 

@@ -15,7 +15,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
 
-    from exgrpo_trainer.tiny import build_tiny_model
+    from exgrpo_onebox.tiny import build_tiny_model
 
     torch.set_num_threads(1)
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")

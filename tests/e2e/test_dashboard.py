@@ -216,7 +216,7 @@ def test_dashboard_shows_a_real_training_run(
     # dotted-path `parity` grader that passes about half of the random tiny model's rollouts
     from distributed._helpers import make_pool, run_config
 
-    from exgrpo_trainer.tiny import build_tiny_model
+    from exgrpo_onebox.tiny import build_tiny_model
     from exgrpo_trainer.trainer import run_training
 
     torch.set_num_threads(1)

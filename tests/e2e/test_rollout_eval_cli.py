@@ -13,7 +13,7 @@ from shared_data import ARC_C, VALID, needs
 from typer.testing import CliRunner
 
 from exgrpo_cli.main import app
-from exgrpo_trainer.tiny import build_tiny_model
+from exgrpo_onebox.tiny import build_tiny_model
 
 GRADER_REASONS = {"correct", "wrong_answer", "no_answer", "empty", "bad_gold", "timeout"}
 

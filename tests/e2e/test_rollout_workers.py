@@ -21,10 +21,10 @@ from transformers import AutoModelForCausalLM
 
 from exgrpo_client import Client
 from exgrpo_client.schemas import BatchPlan
+from exgrpo_onebox.tiny import build_tiny_model
 from exgrpo_rollout.engines.factory import load_engine
 from exgrpo_rollout.graders import GradingPool
 from exgrpo_rollout.worker import TEST_DELAY_ENV, RolloutWorker, WorkerConfig
-from exgrpo_trainer.tiny import build_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 

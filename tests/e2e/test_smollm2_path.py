@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_smollm2_main_job_two_steps(tmp_path: Path) -> None:
-    from exgrpo_trainer.hf_import import smollm2_to_hf
+    from exgrpo_onebox.hf_import import smollm2_to_hf
 
     assert DATA.exists(), f"{DATA}: no data file (set EXGRPO_VALID_PARQUET)"
     model = smollm2_to_hf(MODEL_DIR)  # ImportError naming the pip command when the packages are missing

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from exgrpo_trainer.experiment import ExperimentOptions, run_experiment
-from exgrpo_trainer.main_job import JobPlan, _budget_steps, split_overrides
+from exgrpo_onebox.experiment import ExperimentOptions, run_experiment
+from exgrpo_onebox.main_job import JobPlan, _budget_steps, split_overrides
 
 
 def test_overrides_are_routed_by_prefix() -> None:

@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
+from exgrpo_onebox.tiny import build_tokenizer, tiny_qwen2
 from exgrpo_rollout.engines.base import SamplingConfig
 from exgrpo_rollout.engines.hf import TransformersEngine
-from exgrpo_trainer.tiny import build_tokenizer, tiny_qwen2
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import pytest
 from shared_data import VALID, needs
 from transformers import PreTrainedTokenizerFast
 
+from exgrpo_onebox.tiny import build_tokenizer
 from exgrpo_rollout.engines.base import Completion, GenerationStats, SamplingConfig
 from exgrpo_rollout.evaluate import (
     EvalRow,
@@ -16,7 +17,6 @@ from exgrpo_rollout.evaluate import (
     grader_for,
     load_rows,
 )
-from exgrpo_trainer.tiny import build_tokenizer
 
 
 def _record(source: str, index: int, reward: float) -> SampleRecord:

@@ -6,8 +6,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from exgrpo_client.schemas import ChatMessage
+from exgrpo_onebox.tiny import build_tokenizer
 from exgrpo_rollout.prompts import render_prompt, render_prompt_text
-from exgrpo_trainer.tiny import build_tokenizer
 
 MESSAGES = [
     {"role": "system", "content": "Think first."},

@@ -30,10 +30,10 @@ from exgrpo_client.schemas import (
     TaskPublic,
     TasksPublic,
 )
+from exgrpo_onebox.tiny import build_tokenizer
 from exgrpo_rollout.engines.base import Completion, GenerationStats, SamplingConfig
 from exgrpo_rollout.logs import JsonFormatter, configure_json_logging, fields
 from exgrpo_rollout.worker import RolloutWorker, WorkerConfig, WorkerMetrics, path_from_uri
-from exgrpo_trainer.tiny import build_tokenizer
 
 TOK = build_tokenizer()
 ANSWER = "</think> so \\boxed{2}"

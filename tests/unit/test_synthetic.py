@@ -12,8 +12,7 @@ import pytest
 from shared_data import VALID, needs
 
 from exgrpo_client.io import read_questions
-from exgrpo_rollout.graders import grade_one
-from exgrpo_trainer.synthetic import (
+from exgrpo_onebox.synthetic import (
     LEVELS,
     Problem,
     is_heldout,
@@ -25,6 +24,7 @@ from exgrpo_trainer.synthetic import (
     reference_response,
     write_parquet,
 )
+from exgrpo_rollout.graders import grade_one
 
 
 def _value(p: Problem) -> int:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from exgrpo_onebox.tiny import tiny_qwen2
 from exgrpo_trainer.algo import token_entropy, token_logprobs
 from exgrpo_trainer.model import pad_rows, response_forward
-from exgrpo_trainer.tiny import tiny_qwen2
 
 PAD = 0
 CPU = torch.device("cpu")

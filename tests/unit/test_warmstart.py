@@ -14,14 +14,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from exgrpo_onebox.synthetic import direct_response, is_heldout, make_problems, reference_response
+from exgrpo_onebox.tiny import build_tokenizer
+from exgrpo_onebox.warmstart import QUICK, RECIPE, build_model, heldout_problems, prepare_model, train_sft
 from exgrpo_rollout.engines.base import SamplingConfig
 from exgrpo_rollout.engines.hf import TransformersEngine
 from exgrpo_rollout.graders import grade_one
 from exgrpo_rollout.prompts import render_prompt
 from exgrpo_trainer.model import load_tokenizer
-from exgrpo_trainer.synthetic import direct_response, is_heldout, make_problems, reference_response
-from exgrpo_trainer.tiny import build_tokenizer
-from exgrpo_trainer.warmstart import QUICK, RECIPE, build_model, heldout_problems, prepare_model, train_sft
 
 WELL_FORMED = re.compile(r"(?s)[^<]*</think> \\boxed\{\d+\}<\|eos\|>")
 

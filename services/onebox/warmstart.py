@@ -1,6 +1,6 @@
-"""Supervised warm start of a tiny model on the synthetic arithmetic task (`exgrpo_trainer.synthetic`).
+"""Supervised warm start of a tiny model on the synthetic arithmetic task (`exgrpo_onebox.synthetic`).
 
-A random-init tiny Qwen2 (130k parameters) with the character tokenizer of `exgrpo_trainer.tiny` is
+A random-init tiny Qwen2 (130k parameters) with the character tokenizer of `exgrpo_onebox.tiny` is
 trained with cross-entropy on response tokens only (the prompt is context) for a fixed budget, so
 that it starts reinforcement learning with partial success and room to improve.
 
@@ -14,7 +14,7 @@ accuracy rises within a few dozen steps. (Without the direct answers the model's
 individual arithmetic facts, and 60-150 RL steps of this size left held-out accuracy unchanged:
 fixing facts from a binary reward is too slow for a few minutes on 2 cores.)
 
-    from exgrpo_trainer.warmstart import prepare_model
+    from exgrpo_onebox.warmstart import prepare_model
     path = prepare_model("exgrpo-data/models/arith-warm")          # ~70 s on 2 shared CPU cores
     path = prepare_model("/tmp/arith-quick", quick=True)            # ~8 s, for tests
 
@@ -45,14 +45,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
-from exgrpo_trainer.synthetic import (
+from exgrpo_onebox.synthetic import (
     Problem,
     direct_response,
     make_problems,
     problem_stream,
     reference_response,
 )
-from exgrpo_trainer.tiny import build_tokenizer
+from exgrpo_onebox.tiny import build_tokenizer
 
 __all__ = [
     "QUICK",

@@ -133,10 +133,10 @@ def run_main_job(opts: MainJobOptions) -> Path:
     import yaml
 
     from exgrpo_client import Client
+    from exgrpo_onebox.report import write_report
     from exgrpo_pool.config import Settings
     from exgrpo_pool.embedded import serve_in_thread
     from exgrpo_trainer.config import TrainConfig, apply_overrides
-    from exgrpo_trainer.report import write_report
     from exgrpo_trainer.trainer import run_training
 
     console = Console(stderr=True)
@@ -282,7 +282,7 @@ def _log_to(path: Path) -> None:
 
 def warm_started_model(opts: MainJobOptions, console: Console) -> Path:
     """The cached warm-started model of the job (`--quick` or not), built on first use."""
-    from exgrpo_trainer.warmstart import prepare_model
+    from exgrpo_onebox.warmstart import prepare_model
 
     target = (opts.cache / ("warmstart-quick" if opts.quick else "warmstart")).resolve()
     with console.status("preparing the warm-started model (first run only)"):
@@ -310,7 +310,7 @@ def _prepare_data(
     data_dir = out / "data"
     data_dir.mkdir(exist_ok=True)
     if opts.data is None:
-        from exgrpo_trainer.synthetic import make_splits, write_parquet
+        from exgrpo_onebox.synthetic import make_splits, write_parquet
 
         train, heldout = make_splits(job.train_questions, job.heldout_questions, seed=opts.seed)
         train_path = write_parquet(
@@ -397,10 +397,8 @@ class _Evaluator:
         del model
 
     def during(self, trainer: Any) -> None:
-        from exgrpo_trainer.model import unsharded
-
-        with unsharded(trainer.model):
-            self._run(trainer.engine, trainer.tokenizer, trainer.step)
+        with trainer.generation_engine() as engine:
+            self._run(engine, trainer.tokenizer, trainer.step)
 
 
 def options_from(**kw: Any) -> MainJobOptions:

@@ -34,7 +34,7 @@ from typing import Any
 
 from rich.console import Console
 
-from exgrpo_trainer.report import read_jsonl
+from exgrpo_onebox.report import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> P
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARM_NAMES)}")
     if opts.seeds < 1 or opts.jobs < 1 or opts.rollouts < 1:
         raise ValueError("--seeds, --jobs and --rollouts must be positive")
-    from exgrpo_trainer.main_job import split_overrides
+    from exgrpo_onebox.main_job import split_overrides
 
     split_overrides(opts.overrides)  # bad overrides fail before the first run
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -127,7 +127,7 @@ def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> P
     failed: list[str] = []
     if not opts.report_only and todo:
         # build the cached warm-started model once, before parallel runs would race to build it
-        from exgrpo_trainer.main_job import MainJobOptions, one_thread_on_small_boxes, warm_started_model
+        from exgrpo_onebox.main_job import MainJobOptions, one_thread_on_small_boxes, warm_started_model
 
         one_thread_on_small_boxes()
         warm_started_model(MainJobOptions(quick=opts.quick), console)
