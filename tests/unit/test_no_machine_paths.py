@@ -27,7 +27,8 @@ here, so that this file does not match its own rule)."""
 # the root must start a path: at the start, after a character that cannot be part of a relative
 # path, or after `//` (file:///...); `a/home/b`, `~/work/x` and `http://host/home/x` do not match
 MACHINE_PATH = re.compile(r"(?:^|(?<=[^\w.~/-])|(?<=//))/(?:" + "|".join(MACHINE_ROOTS) + r")/[\w.-]")
-TMP_PREFIXES = ("/tmp/", "/var/tmp/")
+TMP_DIRS = tuple("/" + name for name in ("tmp", "var/tmp"))
+"""Temporary folders (built here, so that this file's own literals do not match rule 2)."""
 SHARED_FOLDER = re.compile(r"\.\./shared\b")
 PRODUCT = ("services/", "clients/")
 MAX_BYTES = 2 << 20
@@ -39,14 +40,16 @@ def machine_paths(text: str) -> list[tuple[int, str]]:
 
 
 def fixed_tmp_literals(source: str) -> list[tuple[int, str]]:
-    """(line number, value) of the string literals of a Python source that are paths under /tmp."""
-    return [
+    """(line number, value) of the string literals of a Python source that are paths under /tmp,
+    in source order."""
+    under = tuple(d + "/" for d in TMP_DIRS)
+    return sorted(
         (node.lineno, node.value)
         for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.Constant)
         and isinstance(node.value, str)
-        and (node.value.startswith(TMP_PREFIXES) or node.value.rstrip("/") in ("/tmp", "/var/tmp"))
-    ]
+        and (node.value.rstrip("/") in TMP_DIRS or node.value.startswith(under))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +98,9 @@ def test_the_rules_catch_machine_paths_and_allow_portable_ones() -> None:
     assert [n for n, _ in machine_paths("\n".join(caught))] == list(range(1, len(caught) + 1))
     assert machine_paths("\n".join(allowed)) == []
 
-    source = 'OUT = "/tmp/results"\nNAME = f"/tmp/run-{1}"\n"""Usage: bench.py --out /tmp/lc"""\n'
-    assert fixed_tmp_literals(source) == [(1, "/tmp/results"), (2, "/tmp/run-")]
+    tmp = TMP_DIRS[0]
+    source = f'OUT = "{tmp}/results"\nNAME = f"{tmp}/run-{{1}}"\nTOP = "{tmp}"\n"""Usage: --out {tmp}/lc"""\n'
+    assert fixed_tmp_literals(source) == [(1, f"{tmp}/results"), (2, f"{tmp}/run-"), (3, tmp)]
 
 
 def test_no_tracked_file_names_a_machine_path(tracked: dict[str, str]) -> None:
