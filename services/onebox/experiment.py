@@ -21,32 +21,43 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 from rich.console import Console
 
-from exgrpo_onebox.report import read_jsonl
+from exgrpo_onebox.main_job import (
+    MainJobOptions,
+    one_thread_on_small_boxes,
+    run_main_job,
+    split_overrides,
+    warm_started_model,
+)
+from exgrpo_onebox.report import read_jsonl, save_figure
 
 
 @dataclass(frozen=True)
 class Arm:
     name: str
-    args: tuple[str, ...]
-    """Extra `exgrpo run` arguments."""
+    overrides: tuple[str, ...]
+    """The arm's settings, on top of the recipe."""
     what: str
+    experience: bool = True
 
 
 ARMS: tuple[Arm, ...] = (
-    Arm("grpo", ("--grpo",), "on-policy GRPO (experience off)"),
+    Arm("grpo", (), "on-policy GRPO (experience off)", experience=False),
     Arm("exgrpo", (), "ExGRPO: entropy choice, Gaussian buckets, ratio 0.5, delayed start 0.35"),
     Arm(
         "choice-random", ("experience.metric=random",), "ExGRPO, random trajectory instead of lowest entropy"
@@ -82,26 +93,51 @@ def _run_dir(out: Path, arm: str, seed: int) -> Path:
     return out / arm / f"seed-{seed}"
 
 
-def _command(arm: Arm, seed: int, opts: ExperimentOptions, folder: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "exgrpo_cli.main", "run", "--out", str(folder), "--seed", str(seed)]
-    cmd += ["--rollouts", str(opts.rollouts), "--heldout", str(opts.heldout)]
-    if opts.quick:
-        cmd.append("--quick")
-    return [*cmd, *arm.args, *opts.overrides]
+def run_options(arm: Arm, seed: int, opts: ExperimentOptions) -> MainJobOptions:
+    """The main job of one arm and seed."""
+    return MainJobOptions(
+        quick=opts.quick,
+        out=_run_dir(opts.out, arm.name, seed),
+        experience=arm.experience,
+        seed=seed,
+        heldout=opts.heldout,
+        rollouts=opts.rollouts,
+        overrides=[*arm.overrides, *opts.overrides],
+    )
 
 
-def _launch(arm: Arm, seed: int, opts: ExperimentOptions) -> tuple[int, float]:
-    folder = _run_dir(opts.out, arm.name, seed)
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "COLUMNS": "100"}
+"""Every run in its own process with one torch thread (set before torch starts its thread pool);
+COLUMNS sets the width of the run's log."""
+
+
+def _child_env() -> None:
+    os.environ.update(CHILD_ENV)
+
+
+def run_logged(options: MainJobOptions) -> tuple[int, float]:
+    """One run in this process (a fresh child of the experiment), everything it prints going to
+    `run.log` in its folder. Returns (0, seconds), or (1, seconds) with the traceback in the log."""
+    assert options.out is not None
+    folder = options.out
     if folder.exists():  # a run that stopped before its summary: start it again from scratch
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "COLUMNS": "100"}
-    command = _command(arm, seed, opts, folder)
     started = time.perf_counter()
-    with (folder / "run.log").open("w") as logf:
-        logf.write("$ " + " ".join(command) + "\n")
-        logf.flush()
-        rc = subprocess.call(command, stdout=logf, stderr=subprocess.STDOUT, env=env)
+    with (folder / "run.log").open("w") as log:
+        log.write(f"# {options}\n")
+        log.flush()
+        os.dup2(log.fileno(), 1)  # the process's own stdout and stderr, C libraries included
+        os.dup2(log.fileno(), 2)
+        try:
+            run_main_job(options)
+            rc = 0
+        except Exception:
+            traceback.print_exc()
+            rc = 1
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
     return rc, time.perf_counter() - started
 
 
@@ -112,8 +148,6 @@ def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> P
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARM_NAMES)}")
     if opts.seeds < 1 or opts.jobs < 1 or opts.rollouts < 1:
         raise ValueError("--seeds, --jobs and --rollouts must be positive")
-    from exgrpo_onebox.main_job import split_overrides
-
     split_overrides(opts.overrides)  # bad overrides fail before the first run
     opts.out.mkdir(parents=True, exist_ok=True)
     arms = [a for a in ARMS if a.name in opts.arms]
@@ -127,8 +161,6 @@ def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> P
     failed: list[str] = []
     if not opts.report_only and todo:
         # build the cached warm-started model once, before parallel runs would race to build it
-        from exgrpo_onebox.main_job import MainJobOptions, one_thread_on_small_boxes, warm_started_model
-
         one_thread_on_small_boxes()
         warm_started_model(MainJobOptions(quick=opts.quick), console)
         console.print(
@@ -136,34 +168,40 @@ def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> P
             f"{opts.rollouts} rollouts each, {opts.jobs} at a time -> {opts.out}"
         )
         done = total - len(todo)
-        with ThreadPoolExecutor(opts.jobs) as pool:
-            pending: dict[Future[tuple[int, float]], tuple[Arm, int]] = {}
-            queue = list(todo)
-            while queue or pending:
-                while queue and len(pending) < opts.jobs:
-                    arm, seed = queue.pop(0)
-                    pending[pool.submit(_launch, arm, seed, opts)] = (arm, seed)
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    arm, seed = pending.pop(fut)
+        # a fresh process per run (spawned: no state inherited from this one), `jobs` at a time
+        with ProcessPoolExecutor(
+            opts.jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_child_env,
+            max_tasks_per_child=1,
+        ) as pool:
+            pending: dict[Future[tuple[int, float]], tuple[Arm, int]] = {
+                pool.submit(run_logged, run_options(arm, seed, opts)): (arm, seed) for arm, seed in todo
+            }
+            for fut in as_completed(pending):
+                arm, seed = pending[fut]
+                done += 1
+                folder = _run_dir(opts.out, arm.name, seed)
+                try:
                     rc, secs = fut.result()
-                    done += 1
-                    folder = _run_dir(opts.out, arm.name, seed)
-                    if rc != 0:
-                        failed.append(f"{arm.name}/seed-{seed}")
-                        console.print(
-                            f"[red][{done}/{total}] {arm.name} seed {seed}: FAILED (exit {rc}), "
-                            f"see {folder / 'run.log'}"
-                        )
-                        continue
-                    acc = [
-                        e["accuracy"]
-                        for e in json.loads((folder / "summary.json").read_text())["heldout_accuracy"]
-                    ]
+                except BrokenProcessPool:
+                    rc, secs = -1, 0.0
+                if rc != 0:
+                    failed.append(f"{arm.name}/seed-{seed}")
+                    how = "the process died" if rc < 0 else "an error"
                     console.print(
-                        f"[{done}/{total}] {arm.name} seed {seed}: held-out {acc[0]:.3f} -> {acc[-1]:.3f} "
-                        f"({secs / 60:.1f} min)"
+                        f"[red][{done}/{total}] {arm.name} seed {seed}: FAILED ({how}), "
+                        f"see {folder / 'run.log'}"
                     )
+                    continue
+                acc = [
+                    e["accuracy"]
+                    for e in json.loads((folder / "summary.json").read_text())["heldout_accuracy"]
+                ]
+                console.print(
+                    f"[{done}/{total}] {arm.name} seed {seed}: held-out {acc[0]:.3f} -> {acc[-1]:.3f} "
+                    f"({secs / 60:.1f} min)"
+                )
     report = write_results(opts.out, arms, opts.seeds)
     console.print(f"results: {report}")
     if failed:
@@ -302,11 +340,6 @@ def _markdown(table: dict[str, Any]) -> str:
 
 
 def _plots(out: Path, table: dict[str, Any], runs: dict[str, list[RunResult]]) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     made: list[Path] = []
@@ -349,11 +382,7 @@ def _plots(out: Path, table: dict[str, Any], runs: dict[str, list[RunResult]]) -
         ax2.set_ylabel("batch solved fraction (5-step mean)")
         ax2.set_title("Training batches")
         ax2.legend(fontsize=8)
-        fig.tight_layout()
-        path = plots / f"{fname}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        made.append(path)
+        made.append(save_figure(fig, plots / f"{fname}.png", dpi=100))
     return made
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -51,6 +52,7 @@ def smollm2_to_hf(out: Path, *, dtype: str = "bfloat16") -> Path:
     if (out / "config.json").exists():
         return out
     gguf = smollm2_gguf()
+    # torch and transformers: only once the GGUF file is there (the check above needs neither)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -93,8 +95,6 @@ def smollm2_to_hf(out: Path, *, dtype: str = "bfloat16") -> Path:
         + "\n"
     )
     if out.exists():  # an empty or half-written folder without config.json
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)
     log.info(

@@ -15,12 +15,29 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+import yaml
 from rich.console import Console
+
+import exgrpo_trainer
+from exgrpo_client import Client, PoolConfig
+from exgrpo_client.io import read_questions
+from exgrpo_onebox.report import write_report
+from exgrpo_onebox.synthetic import make_splits, write_parquet
+from exgrpo_pool.config import Settings
+from exgrpo_pool.embedded import serve_in_thread
+from exgrpo_rollout.engines.base import SamplingConfig
+from exgrpo_rollout.evaluate import aggregate, evaluate, load_rows, write_jsonl
+from exgrpo_trainer import TrainConfig, apply_overrides
+
+if TYPE_CHECKING:
+    from exgrpo_trainer import Trainer
 
 log = logging.getLogger("exgrpo.run")
 RECIPES = Path(__file__).parent / "recipes"
@@ -66,8 +83,6 @@ class JobPlan:
 
 
 def _recipe(opts: MainJobOptions) -> tuple[Path, JobPlan]:
-    import yaml
-
     path = RECIPES / ("cpu_demo_quick.yaml" if opts.quick else "cpu_demo.yaml")
     job = yaml.safe_load(path.read_text()).get("job", {}) if path.exists() else {}
     return path, JobPlan(**job)
@@ -76,10 +91,6 @@ def _recipe(opts: MainJobOptions) -> tuple[Path, JobPlan]:
 def split_overrides(items: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """`pool.*` (pool rules), `job.*` (JobPlan sizes) and the rest (trainer settings), values
     parsed as YAML scalars. Unknown pool/job keys fail here, before anything starts."""
-    import yaml
-
-    from exgrpo_client.schemas import PoolConfig
-
     pool: dict[str, Any] = {}
     job: dict[str, Any] = {}
     rest: list[str] = []
@@ -116,33 +127,20 @@ def one_thread_on_small_boxes() -> None:
     """One torch thread on machines with at most two cores (unless OMP_NUM_THREADS says otherwise):
     a model this small runs many times slower with two threads on two shared cores."""
     if "OMP_NUM_THREADS" not in os.environ and (os.cpu_count() or 1) <= 2:
-        import torch
-
         torch.set_num_threads(1)
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def run_main_job(opts: MainJobOptions) -> Path:
-    import yaml
-
-    from exgrpo_client import Client
-    from exgrpo_onebox.report import write_report
-    from exgrpo_pool.config import Settings
-    from exgrpo_pool.embedded import serve_in_thread
-    from exgrpo_trainer.config import TrainConfig, apply_overrides
-    from exgrpo_trainer.trainer import run_training
-
     console = Console(stderr=True)
     started = time.perf_counter()
     one_thread_on_small_boxes()
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # transformers: seconds to import, only when run
 
     hf_logging.disable_progress_bar()  # no per-load progress bars inside the job's own display
     pool_rules, job_sizes, trainer_overrides = split_overrides(opts.overrides)
@@ -153,8 +151,6 @@ def run_main_job(opts: MainJobOptions) -> Path:
     if opts.rollouts is not None and opts.rollouts < 1:
         raise ValueError(f"--rollouts must be positive, got {opts.rollouts}")
     pool_config = {"k": job.pool_k, "batch_size": job.pool_batch_size, **pool_rules}
-    from exgrpo_client.schemas import PoolConfig
-
     PoolConfig.model_validate(pool_config)  # bad pool rules fail before anything is prepared
     out = (opts.out or Path("exgrpo-data/runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -202,7 +198,7 @@ def run_main_job(opts: MainJobOptions) -> Path:
 
         rollouts_per_eval = job.eval_every * job.pool_k * job.pool_batch_size
 
-        def on_step(trainer: Any, metrics: dict[str, float]) -> bool:
+        def on_step(trainer: Trainer, metrics: dict[str, float]) -> bool:
             before = evaluator.rollouts
             evaluator.rollouts += int(metrics.get("batch/generated", 0))
             spent = opts.rollouts is not None and evaluator.rollouts >= opts.rollouts
@@ -214,7 +210,7 @@ def run_main_job(opts: MainJobOptions) -> Path:
                 evaluator.during(trainer)
             return spent
 
-        run_training(cfg, on_step=on_step)
+        exgrpo_trainer.run_training(cfg, on_step=on_step)  # the trainer's modules load here
         elapsed = time.perf_counter() - started
         evals = evaluator.history
         facts = {
@@ -282,7 +278,7 @@ def _log_to(path: Path) -> None:
 
 def warm_started_model(opts: MainJobOptions, console: Console) -> Path:
     """The cached warm-started model of the job (`--quick` or not), built on first use."""
-    from exgrpo_onebox.warmstart import prepare_model
+    from exgrpo_onebox.warmstart import prepare_model  # imports transformers: only when a run needs it
 
     target = (opts.cache / ("warmstart-quick" if opts.quick else "warmstart")).resolve()
     with console.status("preparing the warm-started model (first run only)"):
@@ -304,14 +300,9 @@ def _prepare_data(
     opts: MainJobOptions, job: JobPlan, out: Path, console: Console
 ) -> tuple[list[Any], list[Any], str]:
     """Training questions (QuestionCreate) and held-out rows (EvalRow), disjoint."""
-    from exgrpo_client.io import read_questions
-    from exgrpo_rollout.evaluate import load_rows
-
     data_dir = out / "data"
     data_dir.mkdir(exist_ok=True)
     if opts.data is None:
-        from exgrpo_onebox.synthetic import make_splits, write_parquet
-
         train, heldout = make_splits(job.train_questions, job.heldout_questions, seed=opts.seed)
         train_path = write_parquet(
             data_dir / "train.parquet", [p.to_row(i, "train") for i, p in enumerate(train)]
@@ -353,9 +344,6 @@ class _Evaluator:
         (out / "eval.jsonl").write_text("")
 
     def _run(self, engine: Any, tokenizer: Any, step: int) -> None:
-        from exgrpo_rollout.engines.base import SamplingConfig
-        from exgrpo_rollout.evaluate import aggregate, evaluate, write_jsonl
-
         t = time.perf_counter()
         sampling = SamplingConfig(
             temperature=self.job.eval_temperature,
@@ -387,6 +375,7 @@ class _Evaluator:
         )
 
     def baseline(self, model_dir: Path) -> None:
+        # transformers and the engine over it: seconds to import, only when a run starts
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from exgrpo_rollout.engines.hf import TransformersEngine
@@ -396,7 +385,7 @@ class _Evaluator:
         self._run(TransformersEngine(model, tok), tok, 0)
         del model
 
-    def during(self, trainer: Any) -> None:
+    def during(self, trainer: Trainer) -> None:
         with trainer.generation_engine() as engine:
             self._run(engine, trainer.tokenizer, trainer.step)
 

@@ -28,9 +28,10 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path, *, dpi: int = 110) -> Path:
+    """Lay out, write and close a figure."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
@@ -57,7 +58,7 @@ def make_plots(run_dir: Path) -> dict[str, Path]:
     ax.set_ylim(0, 1)
     ax.set_title("Accuracy")
     ax.legend(loc="best", fontsize=8)
-    plots["accuracy"] = _save(fig, out / "accuracy.png")
+    plots["accuracy"] = save_figure(fig, out / "accuracy.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     buckets = sorted(
@@ -71,7 +72,7 @@ def make_plots(run_dir: Path) -> dict[str, Path]:
     ax.set_xlabel("step")
     ax.set_ylabel("questions")
     ax.set_title("Bucket histogram over time (eligible questions by latest success count)")
-    plots["buckets"] = _save(fig, out / "buckets.png")
+    plots["buckets"] = save_figure(fig, out / "buckets.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label in (("experience/eligible", "eligible"), ("experience/retired", "retired")):
@@ -90,7 +91,7 @@ def make_plots(run_dir: Path) -> dict[str, Path]:
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper left", fontsize=8)
-    plots["pool"] = _save(fig, out / "pool.png")
+    plots["pool"] = save_figure(fig, out / "pool.png")
     return plots
 
 

@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 __all__ = [
     "ABILITY",
     "DEFAULT_MIX",
@@ -296,9 +299,6 @@ def make_splits(
 def write_parquet(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> Path:
     """Rows (from `make_questions` or `Problem.to_row`) as a parquet file with the column types of
     the ExGRPO evaluation files."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     schema = pa.schema(
         [
             ("data_source", pa.string()),

@@ -53,6 +53,10 @@ from exgrpo_onebox.synthetic import (
     reference_response,
 )
 from exgrpo_onebox.tiny import build_tokenizer
+from exgrpo_rollout.engines.base import SamplingConfig
+from exgrpo_rollout.engines.hf import TransformersEngine
+from exgrpo_rollout.evaluate import EvalRow
+from exgrpo_rollout.evaluate import evaluate as evaluate_rows  # `evaluate` is prepare_model's flag
 
 __all__ = [
     "QUICK",
@@ -226,10 +230,6 @@ def evaluate_accuracy(
     """Mean reward of `samples` sampled responses per problem, per data source (`arith_d<level>`)
     and overall (`all`), with the transformers engine and a named grader; also the share of
     well-formed responses (think block closed, not truncated) and of direct answers (no reasoning)."""
-    from exgrpo_rollout.engines.base import SamplingConfig
-    from exgrpo_rollout.engines.hf import TransformersEngine
-    from exgrpo_rollout.evaluate import EvalRow, evaluate
-
     rows = [
         EvalRow(p.data_source, i, [{"role": "user", "content": p.expression}], str(p.answer))
         for i, p in enumerate(problems)
@@ -239,7 +239,7 @@ def evaluate_accuracy(
     model.eval()
     engine = TransformersEngine(model, tok, max_batch_rows=512)
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-    records = evaluate(engine, tok, rows, sampling=sampling, grader=grader, prompts_per_call=256)
+    records = evaluate_rows(engine, tok, rows, sampling=sampling, grader=grader, prompts_per_call=256)
     model.train(was_training)
     by_source: dict[str, list[float]] = defaultdict(list)
     for r in records:

@@ -5,6 +5,7 @@ Public API (what the one-box job, the CLI and other callers use; everything else
     from exgrpo_trainer import TrainConfig, load_config, run_training
 
     cfg = load_config("exgrpo", ["model.path=models/m", "run.pool=math"])   # or TrainConfig(...)
+    data = apply_overrides({}, ["optim.lr=1e-6"])   # {"optim": {"lr": 1e-06}}: key=value as data
     trainer = run_training(cfg, on_step=hook)   # hook(trainer, metrics) -> True ends the run
 
 A step hook sees the `Trainer`: `trainer.step`, `trainer.cfg`, `trainer.tokenizer`, and
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from exgrpo_trainer.config import TrainConfig, format_config_error, load_config, recipes
+from exgrpo_trainer.config import TrainConfig, apply_overrides, format_config_error, load_config, recipes
 
 if TYPE_CHECKING:
     from exgrpo_trainer.trainer import StepHook, Trainer, run_training
@@ -28,6 +29,7 @@ __all__ = [
     "StepHook",
     "TrainConfig",
     "Trainer",
+    "apply_overrides",
     "format_config_error",
     "load_config",
     "recipes",
