@@ -314,6 +314,7 @@ def instrument(trainer: Any, probe: Probe) -> Callable[[], None]:
     """Install the wrappers; returns a function that removes the global ones."""
     import torch
 
+    from exgrpo_trainer import learner as learner_mod
     from exgrpo_trainer import trainer as trainer_mod
 
     undo: list[Callable[[], None]] = []
@@ -323,37 +324,39 @@ def instrument(trainer: Any, probe: Probe) -> Callable[[], None]:
         setattr(obj, name, value)
         undo.append(lambda: setattr(obj, name, old))
 
-    original_timed = trainer._timed
+    timer = trainer.timer
+    original_part = timer.part
 
     @contextlib.contextmanager
     def timed(name: str) -> Iterator[None]:
         prev, probe.phase = probe.phase, name
         c = time.thread_time()
         try:
-            with original_timed(name):
+            with original_part(name):
                 yield
         finally:
             probe.cpu[(name, "phase")] += time.thread_time() - c
             probe.phase = prev
 
-    trainer._timed = timed
-    trainer.engine.generate = probe.wrap("engine_generate", trainer.engine.generate)
-    trainer._grade = probe.wrap("grading", trainer._grade)
-    trainer.loss = probe.wrap("loss", trainer.loss)
-    trainer.optimizer.step = probe.wrap("optimizer_step", trainer.optimizer.step)
-    trainer.optimizer.zero_grad = probe.wrap("zero_grad", trainer.optimizer.zero_grad)
-    client = trainer.client
+    learner = trainer.learner
+    timer.part = timed
+    trainer.rollouts.engine.generate = probe.wrap("engine_generate", trainer.rollouts.engine.generate)
+    trainer.grader._grade = probe.wrap("grading", trainer.grader._grade)
+    learner.loss = probe.wrap("loss", learner.loss)
+    learner.optimizer.step = probe.wrap("optimizer_step", learner.optimizer.step)
+    learner.optimizer.zero_grad = probe.wrap("zero_grad", learner.optimizer.zero_grad)
+    client = trainer.session.client
     client._request = probe.wrap("http_client", client._request)
     client._http.send = probe.wrap("http_wait", client._http.send)
 
-    original_forward = trainer_mod.response_forward
-    model_proxy = _TimedModel(trainer.model, probe)
+    original_forward = learner_mod.response_forward
+    model_proxy = _TimedModel(learner.model, probe)
 
     def response_forward(model: Any, *args: Any, **kwargs: Any) -> Any:
-        return original_forward(model_proxy if model is trainer.model else model, *args, **kwargs)
+        return original_forward(model_proxy if model is learner.model else model, *args, **kwargs)
 
-    patch(trainer_mod, "response_forward", probe.wrap("logprob_head", response_forward))
-    patch(trainer_mod, "pad_rows", probe.wrap("pad_rows", trainer_mod.pad_rows))
+    patch(learner_mod, "response_forward", probe.wrap("logprob_head", response_forward))
+    patch(learner_mod, "pad_rows", probe.wrap("pad_rows", learner_mod.pad_rows))
     patch(trainer_mod, "save_hf", probe.wrap("save_hf", trainer_mod.save_hf))
     patch(torch.Tensor, "backward", probe.wrap("backward", torch.Tensor.backward))
     patch(torch.nn.utils, "clip_grad_norm_", probe.wrap("grad_clip", torch.nn.utils.clip_grad_norm_))
@@ -412,8 +415,8 @@ def _rss_kb() -> int:
 # stands for in the trainer. Fixes that the trainer has taken up are no longer variants here.
 
 
-def _variant_no_fsdp(trainer_mod: Any) -> None:
-    """model.load_model: skip `fully_shard` when the world size is 1 (plain module, no FSDP hooks)."""
+def _variant_no_fsdp(learner_mod: Any) -> None:
+    """learner.load_model: skip `fully_shard` when the world size is 1 (plain module, no FSDP hooks)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -425,7 +428,7 @@ def _variant_no_fsdp(trainer_mod: Any) -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model.to(device)
 
-    trainer_mod.load_model = load_plain
+    learner_mod.load_model = load_plain
 
 
 VARIANTS_BEFORE: dict[str, Callable[[Any], None]] = {
@@ -452,7 +455,7 @@ def run_once(mode: str, p: Params, model: Path, folder: Path) -> dict[str, Any]:
     import torch
 
     from exgrpo_client import Client
-    from exgrpo_trainer import trainer as trainer_mod
+    from exgrpo_trainer import learner as learner_mod
     from exgrpo_trainer.config import load_config
     from exgrpo_trainer.telemetry import MetricsLogger
     from exgrpo_trainer.trainer import Trainer
@@ -464,7 +467,7 @@ def run_once(mode: str, p: Params, model: Path, folder: Path) -> dict[str, Any]:
     rss_start_kb = _rss_kb()
     for v in variants:
         if v in VARIANTS_BEFORE:
-            VARIANTS_BEFORE[v](trainer_mod)
+            VARIANTS_BEFORE[v](learner_mod)
     with pool_service(folder) as url, Client(url) as client:
         client.create_pool(
             "bench",
@@ -503,7 +506,7 @@ def run_once(mode: str, p: Params, model: Path, folder: Path) -> dict[str, Any]:
             if v in VARIANTS_AFTER:
                 VARIANTS_AFTER[v](trainer)
         try:
-            trainer._attach_run()
+            trainer.attach()
             logger = MetricsLogger(trainer.out, cfg.logging, cfg.run.steps, cfg.public_dict())
             logger.log = probe.wrap("metrics_log", logger.log)  # type: ignore[method-assign]
             steps: list[dict[str, Any]] = []

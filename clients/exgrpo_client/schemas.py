@@ -416,10 +416,18 @@ class TaskFail(Strict):
     retry: bool = True
 
 
+class TaskGroupResult(GroupResult):
+    """The samples of one completed generation task."""
+
+    replayed: bool = Field(
+        False, description="The task's question is replayed in the batch: these are its K-1 generated samples."
+    )
+
+
 class BatchResults(Strict):
     batch_id: str
     complete: bool
-    groups: list[GroupResult]
+    groups: list[TaskGroupResult]
 
 
 # ---------------------------------------------------------------------------------------- stats

@@ -77,6 +77,15 @@ def fixed_rows(
     return rows
 
 
+def learn_rows(
+    trainer: Trainer, rows: list[Row], *, mixed: bool
+) -> tuple[list[list[float]], list[list[float]], dict[str, float]]:
+    """The learner's update on `rows` as the trainer's next step: (pi_old log-probs, entropies,
+    metrics)."""
+    learned = trainer.learner.learn(rows, mixed=mixed, step=trainer.step + 1)
+    return learned.old_logprobs, learned.old_entropy, learned.metrics
+
+
 def main(model_dir: Path, out_file: Path) -> None:
     # with the KL term (reference = the starting weights) and activation checkpointing, both sharded
     cfg = row_config(
@@ -91,8 +100,8 @@ def main(model_dir: Path, out_file: Path) -> None:
         for step, mixed in enumerate((False, True)):
             trainer.step = step
             rows = fixed_rows(trainer.tokenizer, replay=mixed, seed=step)
-            old_lp, _old_ent, metrics = trainer.learn(rows, mixed)
-            state = {k: v.detach().clone() for k, v in full_state_dict(trainer.model).items()}
+            old_lp, _old_ent, metrics = learn_rows(trainer, rows, mixed=mixed)
+            state = {k: v.detach().clone() for k, v in full_state_dict(trainer.learner.model).items()}
             results.append({"metrics": metrics, "old_lp": old_lp, "state": state})
         if dist.is_main():
             torch.save({"world": dist.world(), "steps": results}, out_file)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from exgrpo_trainer.model import full_state_dict, pad_rows, response_forward
 from exgrpo_trainer.trainer import Trainer
 
-from ._equivalence_worker import fixed_rows, row_config
+from ._equivalence_worker import fixed_rows, learn_rows, row_config
 
 
 def _perturbed_copy(src: Path, dst: Path, scale: float = 0.05) -> Path:
@@ -36,8 +36,8 @@ def _perturbed_copy(src: Path, dst: Path, scale: float = 0.05) -> Path:
 def test_no_reference_model_without_kl(tiny_model: Path, tmp_path: Path) -> None:
     trainer = Trainer(row_config(tiny_model, tmp_path / "out", "optim.mini_batches=1"))
     try:
-        assert trainer.ref_model is None
-        _, _, metrics = trainer.learn(fixed_rows(trainer.tokenizer, replay=False), mixed=False)
+        assert trainer.learner.ref_model is None
+        _, _, metrics = learn_rows(trainer, fixed_rows(trainer.tokenizer, replay=False), mixed=False)
         assert metrics["loss/kl"] == 0.0
     finally:
         trainer.close()
@@ -55,13 +55,15 @@ def test_kl_to_the_reference_model_is_the_k3_estimator(tiny_model: Path, tmp_pat
     )
     trainer = Trainer(cfg)
     try:
-        assert trainer.ref_model is not None
-        assert not any(p.requires_grad for p in trainer.ref_model.parameters())
-        ref_before = {k: v.clone() for k, v in full_state_dict(trainer.ref_model).items()}
+        assert trainer.learner.ref_model is not None
+        assert not any(p.requires_grad for p in trainer.learner.ref_model.parameters())
+        ref_before = {k: v.clone() for k, v in full_state_dict(trainer.learner.ref_model).items()}
         rows = fixed_rows(trainer.tokenizer, replay=False)
         prompts, responses = [r.prompt_ids for r in rows], [r.response_ids for r in rows]
-        lp, _ = trainer._score(prompts, responses, with_entropy=False)
-        ref_lp, _ = trainer._score(prompts, responses, with_entropy=False, model=trainer.ref_model)
+        lp, _ = trainer.learner.score(prompts, responses, with_entropy=False)
+        ref_lp, _ = trainer.learner.score(
+            prompts, responses, with_entropy=False, model=trainer.learner.ref_model
+        )
         expected = []
         for a, b in zip(lp, ref_lp, strict=True):
             d = torch.tensor(b, dtype=torch.float64) - torch.tensor(a, dtype=torch.float64)
@@ -69,13 +71,13 @@ def test_kl_to_the_reference_model_is_the_k3_estimator(tiny_model: Path, tmp_pat
         kl = float(torch.cat(expected).mean())
         assert kl > 1e-3  # the perturbed reference differs
 
-        _, _, metrics = trainer.learn(rows, mixed=False)
+        _, _, metrics = learn_rows(trainer, rows, mixed=False)
         assert abs(metrics["actor/kl"] - kl) < 1e-5 * max(1.0, kl)
         assert abs(metrics["loss/kl"] - 0.5 * kl) < 1e-5
         assert "timing/ref_logprob" not in metrics  # timings are reported by train_step, not learn
-        assert trainer.timings["ref_logprob"] > 0
+        assert trainer.timer.parts["ref_logprob"] > 0
         # the reference stays frozen while the policy moves
-        for k, v in full_state_dict(trainer.ref_model).items():
+        for k, v in full_state_dict(trainer.learner.ref_model).items():
             torch.testing.assert_close(v, ref_before[k], rtol=0, atol=0)
     finally:
         trainer.close()
@@ -87,8 +89,8 @@ def _update_once(
     flag = f"model.activation_checkpointing={str(checkpointing).lower()}"
     trainer = Trainer(row_config(model_dir, out, flag, "optim.mini_batches=2"))
     try:
-        _, _, metrics = trainer.learn(fixed_rows(trainer.tokenizer, replay=True), mixed=True)
-        return metrics, {k: v.clone() for k, v in full_state_dict(trainer.model).items()}
+        _, _, metrics = learn_rows(trainer, fixed_rows(trainer.tokenizer, replay=True), mixed=True)
+        return metrics, {k: v.clone() for k, v in full_state_dict(trainer.learner.model).items()}
     finally:
         trainer.close()
 
@@ -106,7 +108,7 @@ def _saved_bytes(trainer: Trainer) -> int:
     """Bytes autograd keeps for backward during one training forward of a fixed micro-batch."""
     rows = fixed_rows(trainer.tokenizer, replay=False)
     ids, att, rids, _mask, pos = pad_rows(
-        [r.prompt_ids for r in rows], [r.response_ids for r in rows], trainer.pad_id, trainer.device
+        [r.prompt_ids for r in rows], [r.response_ids for r in rows], trainer.learner.pad_id, trainer.device
     )
     total = 0
 
@@ -116,9 +118,9 @@ def _saved_bytes(trainer: Trainer) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lp, _ = response_forward(trainer.model, ids, att, rids, pos, with_entropy=True)
+        lp, _ = response_forward(trainer.learner.model, ids, att, rids, pos, with_entropy=True)
     lp.sum().backward()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.learner.optimizer.zero_grad(set_to_none=True)
     return total
 
 

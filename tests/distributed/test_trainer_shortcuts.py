@@ -16,11 +16,12 @@ from transformers import AutoModelForCausalLM
 
 from exgrpo_rollout.engines.base import SamplingConfig
 from exgrpo_rollout.engines.hf import TransformersEngine
-from exgrpo_trainer.algo import Completion, PlannedQuestion
+from exgrpo_trainer.algo import PlannedQuestion, Response
+from exgrpo_trainer.batch import StepBatch
 from exgrpo_trainer.model import full_state_dict, unsharded
 from exgrpo_trainer.trainer import Trainer
 
-from ._equivalence_worker import fixed_rows, row_config
+from ._equivalence_worker import fixed_rows, learn_rows, row_config
 
 
 @pytest.mark.parametrize("mini_batches", [1, 3], ids=["one-mini-batch", "three-mini-batches"])
@@ -30,18 +31,18 @@ def test_old_logprobs_equal_a_separate_no_grad_forward(
     trainer = Trainer(row_config(tiny_model, tmp_path / "out", f"optim.mini_batches={mini_batches}"))
     try:
         rows = fixed_rows(trainer.tokenizer, replay=True)
-        ref_lp, ref_ent = trainer._score(
+        ref_lp, ref_ent = trainer.learner.score(
             [r.prompt_ids for r in rows], [r.response_ids for r in rows], with_entropy=True
         )
         seen: list[str] = []
-        score = trainer._score
+        score = trainer.learner.score
 
         def counting_score(*args: Any, **kwargs: Any) -> Any:
             seen.append("score")
             return score(*args, **kwargs)
 
-        trainer._score = counting_score  # type: ignore[method-assign]
-        old_lp, old_ent, metrics = trainer.learn(rows, mixed=True)
+        trainer.learner.score = counting_score  # type: ignore[method-assign]
+        old_lp, old_ent, metrics = learn_rows(trainer, rows, mixed=True)
         assert seen == ([] if mini_batches == 1 else ["score"]), "a no-grad pass only for later mini-batches"
         assert metrics["optim/skipped"] == 0.0
         assert len(old_lp) == len(old_ent) == len(rows)
@@ -58,21 +59,23 @@ def test_mixed_step_generates_k_minus_one_and_k_samples_in_one_call(tiny_model: 
     try:
         rows = fixed_rows(trainer.tokenizer, groups=4, k=4, replay=False)
         prompts = [rows[g * 4].prompt_ids for g in range(4)]
-        stored = Completion(response_ids=[5, 6, 7], reward=1.0, logprobs=[-1.0, -1.0, -1.0])
+        stored = Response(response_ids=[5, 6, 7], reward=1.0, logprobs=[-1.0, -1.0, -1.0])
         questions = [
             PlannedQuestion(question_id=10 + i, prompt_ids=p, replay=stored if i % 2 else None)
             for i, p in enumerate(prompts)
         ]
         calls: list[int] = []
-        generate = trainer.engine.generate
+        generate = trainer.rollouts.engine.generate
 
         def counting_generate(prompt_ids: list[list[int]], sampling: Any) -> Any:
             calls.append(len(prompt_ids))
             assert sampling.n == 1
             return generate(prompt_ids, sampling)
 
-        trainer.engine.generate = counting_generate  # type: ignore[method-assign]
-        out = trainer._generate_colocated(SimpleNamespace(step=3), questions, 4)  # type: ignore[arg-type]
+        trainer.rollouts.engine.generate = counting_generate  # type: ignore[method-assign]
+        plan = SimpleNamespace(step=3, k=4)  # what generation reads of a plan
+        batch = StepBatch(plan=plan, questions=questions, ground_truths=[""] * 4)  # type: ignore[arg-type]
+        out = trainer.rollouts.generate(batch)
         assert calls == [4 + 3 + 4 + 3], "one call, one row per sample"
         assert [len(cs) for cs in out] == [4, 3, 4, 3]
         for cs in out:
@@ -90,15 +93,15 @@ def test_generation_view_samples_what_the_plain_model_samples(tiny_model: Path, 
         plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
         reference = TransformersEngine(plain, trainer.tokenizer, record=False)
         for _ in range(2):  # the view follows the weights after an update
-            with unsharded(trainer.model) as view, torch.no_grad():
-                assert view is trainer.engine.model and not isinstance(view, FSDPModule)
-                got = trainer.engine.generate(prompts, sampling)
-            plain.load_state_dict(full_state_dict(trainer.model))
+            with unsharded(trainer.learner.model) as view, torch.no_grad():
+                assert view is trainer.rollouts.engine.model and not isinstance(view, FSDPModule)
+                got = trainer.rollouts.engine.generate(prompts, sampling)
+            plain.load_state_dict(full_state_dict(trainer.learner.model))
             want = reference.generate(prompts, sampling)
             assert [[c.token_ids for c in cs] for cs in got] == [[c.token_ids for c in cs] for cs in want]
-            trainer.learn(rows, mixed=False)
+            learn_rows(trainer, rows, mixed=False)
         # outside `unsharded` the gathered weights are freed: the view keeps no copy of its own
-        view_bytes = sum(p.untyped_storage().nbytes() for p in trainer.engine.model.parameters())
+        view_bytes = sum(p.untyped_storage().nbytes() for p in trainer.rollouts.engine.model.parameters())
         assert view_bytes == 0
     finally:
         trainer.close()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from exgrpo_trainer.algo import (
-    Completion,
     PlannedQuestion,
+    Response,
     build_rows,
     group_rewards,
     num_generations,
@@ -16,12 +16,12 @@ from exgrpo_trainer.algo import (
 K = 8
 
 
-def _gen(reward: float, n_tokens: int = 3) -> Completion:
-    return Completion(response_ids=list(range(n_tokens)), reward=reward, logprobs=[-0.5] * n_tokens)
+def _gen(reward: float, n_tokens: int = 3) -> Response:
+    return Response(response_ids=list(range(n_tokens)), reward=reward, logprobs=[-0.5] * n_tokens)
 
 
-def _stored(n_tokens: int = 4) -> Completion:
-    return Completion(
+def _stored(n_tokens: int = 4) -> Response:
+    return Response(
         response_ids=[7] * n_tokens, reward=1.0, logprobs=[-0.1 * (i + 1) for i in range(n_tokens)]
     )
 
@@ -94,9 +94,9 @@ def test_truncation_applies_to_ids_and_logprobs() -> None:
 
 def test_generated_rows_may_lack_logprobs_but_a_replay_may_not() -> None:
     fresh = PlannedQuestion(question_id=1, prompt_ids=[1])
-    rows = build_rows([fresh], [[Completion(response_ids=[1], reward=0.0)] * 2], k=2)
+    rows = build_rows([fresh], [[Response(response_ids=[1], reward=0.0)] * 2], k=2)
     assert all(r.behaviour_logprobs is None for r in rows)
-    replay = PlannedQuestion(question_id=2, prompt_ids=[1], replay=Completion(response_ids=[1], reward=1.0))
+    replay = PlannedQuestion(question_id=2, prompt_ids=[1], replay=Response(response_ids=[1], reward=1.0))
     with pytest.raises(ValueError, match="no log-probs"):
         build_rows([replay], [[_gen(0.0)]], k=2)
 
@@ -110,7 +110,7 @@ def test_generated_rows_may_lack_logprobs_but_a_replay_may_not() -> None:
         ([], [], {"max_response_len": 0}, "max_response_len"),
         (
             [PlannedQuestion(question_id=1, prompt_ids=[1])],
-            [[Completion(response_ids=[1, 2], reward=0.0, logprobs=[0.0])] * 2],
+            [[Response(response_ids=[1, 2], reward=0.0, logprobs=[0.0])] * 2],
             {},
             "1 log-probs for 2 response tokens",
         ),
@@ -118,7 +118,7 @@ def test_generated_rows_may_lack_logprobs_but_a_replay_may_not() -> None:
     ids=["count", "slots", "k", "limit", "logprob-length"],
 )
 def test_build_rows_refuses_inconsistent_input(
-    questions: list[PlannedQuestion], generated: list[list[Completion]], kwargs: dict[str, int], match: str
+    questions: list[PlannedQuestion], generated: list[list[Response]], kwargs: dict[str, int], match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
         build_rows(questions, generated, **{"k": 2, **kwargs})

@@ -150,8 +150,9 @@ async def batch_results(ctx: Context, pool: Pool, batch_id: str, wait: float) ->
             break
         await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
     groups = [
-        s.GroupResult(
+        s.TaskGroupResult(
             question_id=t.question_id,
+            replayed=t.replayed,
             rollouts=[s.RolloutResult.model_validate(r, strict=False) for r in (t.result or [])],
         )
         for t in done

@@ -7,8 +7,8 @@ from .advantages import batch_advantages, group_advantages
 from .loss import ExGRPOLoss, LossConfig, token_entropy, token_logprobs
 from .metrics import importance_weight_stats, masked_mean, masked_summary
 from .rollout_rows import (
-    Completion,
     PlannedQuestion,
+    Response,
     Row,
     build_rows,
     group_rewards,
@@ -32,12 +32,12 @@ from .selection import (
 __all__ = [
     "METRICS",
     "MODES",
-    "Completion",
     "ExGRPOLoss",
     "LossConfig",
     "Metric",
     "Mode",
     "PlannedQuestion",
+    "Response",
     "Row",
     "batch_advantages",
     "build_rows",

@@ -35,7 +35,7 @@ class Row:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Completion:
+class Response:
     """A response with its reward: generated this step, or a stored trajectory chosen for replay."""
 
     response_ids: list[int]
@@ -51,7 +51,7 @@ class PlannedQuestion:
 
     question_id: int
     prompt_ids: list[int]
-    replay: Completion | None = None
+    replay: Response | None = None
     """The stored trajectory chosen for replay (spec 4.2); ``None`` for a fresh question."""
 
     @property
@@ -71,7 +71,7 @@ def num_generations(questions: Sequence[PlannedQuestion], k: int) -> int:
 
 def build_rows(
     questions: Sequence[PlannedQuestion],
-    generated: Sequence[Sequence[Completion]],
+    generated: Sequence[Sequence[Response]],
     *,
     k: int,
     max_response_len: int | None = None,
@@ -116,7 +116,7 @@ def build_rows(
 
 
 def _row(
-    group: int, question: PlannedQuestion, completion: Completion, *, replayed: bool, limit: int | None
+    group: int, question: PlannedQuestion, completion: Response, *, replayed: bool, limit: int | None
 ) -> Row:
     ids = list(completion.response_ids[:limit])
     logprobs = completion.logprobs

@@ -1,0 +1,168 @@
+"""The trainer's session with its run on the pool service: attach, plan, commit, publish, metrics.
+
+Rank 0 holds the HTTP client; every method is called on every rank and returns the same value on
+all of them (rank 0 asks, the answer is broadcast). Retries follow the SDK client's retry policy:
+writes carry idempotency keys, so a retried plan or commit is applied once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from exgrpo_client import Client
+from exgrpo_client import schemas as s
+from exgrpo_client.errors import NotFound
+from exgrpo_trainer import dist
+from exgrpo_trainer.config import RunSection
+from exgrpo_trainer.telemetry import RunMetricsSender
+
+log = logging.getLogger("exgrpo.trainer")
+
+
+@dataclass(frozen=True)
+class RunState:
+    step: int
+    """Steps the pool has committed for the run."""
+    policy_version: int
+    """The run's latest published policy version."""
+
+
+class PoolSession:
+    def __init__(
+        self,
+        run: RunSection,
+        rules: s.RunOverrides,
+        *,
+        client: Client | None = None,
+        send_metrics: bool = True,
+    ) -> None:
+        """`rules` are the run's batch-level rules (from the trainer's experience section); a
+        `client` passed in stays open for its owner, else rank 0 opens one on `run.pool_url`."""
+        self.run = run
+        self.rules = rules
+        self.send_metrics = send_metrics
+        self._owns_client = client is None
+        self.client = (
+            client
+            if client is not None
+            else (Client(run.pool_url, token=run.token) if dist.is_main() else None)
+        )
+        self._sender: RunMetricsSender | None = None
+        self._held: tuple[int, dict[str, float]] | None = None
+        """The last step's late metrics, handed to the sender once the next plan is in: posted at
+        the end of their step, they would queue at the service ahead of that plan."""
+
+    def _main(self) -> Client:
+        assert self.client is not None, "only rank 0 talks to the pool"
+        return self.client
+
+    def _on_main(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return dist.broadcast(fn(*args, **kwargs) if dist.is_main() else None)
+
+    # ------------------------------------------------------------------------------ the run
+    def attach(self) -> RunState:
+        """The run's state on the pool, creating the run with this trainer's rules if missing."""
+        return self._on_main(self._attach)  # type: ignore[no-any-return]
+
+    def _attach(self) -> RunState:
+        client, cfg = self._main(), self.run
+        try:
+            run = client.get_run(cfg.pool, cfg.name)
+        except NotFound:
+            run = client.create_run(cfg.pool, cfg.name, seed=cfg.seed, overrides=self.rules)
+            log.info("created run %s in pool %s", cfg.name, cfg.pool)
+        else:
+            if run.overrides != self.rules or run.seed != cfg.seed:
+                log.warning(
+                    "run %s already exists with seed %d and %s; the service keeps those, not this "
+                    "config's run.seed / experience settings (%s)",
+                    cfg.name,
+                    run.seed,
+                    run.overrides,
+                    self.rules,
+                )
+        return RunState(step=run.step, policy_version=run.policy_version)
+
+    def plan(self, *, create_tasks: bool) -> s.BatchPlan:
+        """The next batch (every replayed question with all its candidates, for rescoring); then the
+        previous step's late metrics go out in the background."""
+        plan: s.BatchPlan = self._on_main(
+            lambda: self._main().plan_batch(
+                self.run.pool, self.run.name, candidates="all", create_tasks=create_tasks
+            )
+        )
+        self._release_late_metrics()
+        return plan
+
+    def commit(
+        self, plan: s.BatchPlan, groups: list[s.GroupResult], policy_version: int, metrics: dict[str, float]
+    ) -> s.CommitResult:
+        """Commit the step's groups (collection rules apply on the service, in one transaction); the
+        answer carries the run's stats after the commit."""
+        sent = {k: v for k, v in metrics.items() if math.isfinite(v)} if self.send_metrics else {}
+        result: s.CommitResult = self._on_main(
+            lambda: self._main().commit_batch(
+                self.run.pool, plan.id, groups, policy_version=policy_version, metrics=sent, with_stats=True
+            )
+        )
+        return result
+
+    def publish(self, version: int, uri: str, step: int) -> None:
+        """Register a policy version (weights already written where `uri` points)."""
+        if dist.is_main():
+            self._main().add_policy_version(self.run.pool, self.run.name, version=version, uri=uri, step=step)
+
+    # -------------------------------------------------------------------- remote generation
+    def batch_results(self, batch_id: str, wait: float) -> s.BatchResults:
+        """Rank 0 only: the completed generation tasks of a batch (long poll up to `wait` s)."""
+        return self._main().batch_results(self.run.pool, batch_id, wait=wait)
+
+    def failed_tasks(self, batch_id: str) -> int:
+        """Rank 0 only: the batch's generation tasks that failed for good."""
+        return self._main().batch_status(self.run.pool, batch_id).tasks_failed
+
+    # ------------------------------------------------------------------------------ metrics
+    def experience_metrics(self, plan: s.BatchPlan, result: s.CommitResult) -> dict[str, float]:
+        """Rank 0: the step's `experience/*` metrics from the run's stats after its commit (from the
+        commit's answer, or asked for when it has none); other ranks get {}."""
+        if not dist.is_main():
+            return {}
+        st = result.stats or self._main().run_stats(self.run.pool, self.run.name)
+        out = {
+            "experience/eligible": float(st.eligible),
+            "experience/retired": float(st.retired),
+            "experience/seen": float(st.seen),
+            "experience/trajectories": float(st.trajectories),
+            "experience/replay_share": len(plan.replay) / max(1, len(plan.replay) + len(plan.fresh)),
+        }
+        for b in st.buckets:
+            out[f"experience/bucket_{b.bucket}"] = float(b.questions)
+        return out
+
+    def hold_late_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Metrics known only after the commit (pool stats, timings), posted to the run in the
+        background after the next plan (rank 0; a no-op when metrics are not sent)."""
+        if dist.is_main() and self.send_metrics:
+            self._held = (step, metrics)
+
+    def _release_late_metrics(self) -> None:
+        if self._held is not None:
+            if self._sender is None:
+                self._sender = RunMetricsSender(self._main(), self.run.pool, self.run.name)
+            self._sender.send(*self._held)  # posted in the background, in step order
+            self._held = None
+
+    def flush(self) -> None:
+        """Post what is held and queued, and stop the sender thread (a later step starts a new one)."""
+        self._release_late_metrics()
+        if self._sender is not None:
+            sender, self._sender = self._sender, None
+            sender.close()
+
+    def close(self) -> None:
+        self.flush()  # before the client it posts with
+        if self.client is not None and self._owns_client:
+            self.client.close()
