@@ -9,7 +9,7 @@
 
 `Client` blocks, `AsyncClient` awaits; both return the models of `exgrpo_client.schemas`, the
 wire contract shared with the service, and raise the errors of `exgrpo_client.errors`.
-`exgrpo_client.io` reads question files (parquet, JSON Lines).
+`exgrpo_client.io` reads question files (parquet, JSON Lines) and pool exports.
 """
 
 from exgrpo_client._base import __version__ as __version__
@@ -29,7 +29,7 @@ from exgrpo_client.errors import (
     TransportError,
     Unauthorized,
 )
-from exgrpo_client.io import QuestionFileError, read_questions
+from exgrpo_client.io import ExportFileError, QuestionFileError, read_export, read_questions
 from exgrpo_client.schemas import (
     BatchPlan,
     ChatMessage,
@@ -51,6 +51,7 @@ __all__ = [
     "CommitResult",
     "Conflict",
     "ExgrpoError",
+    "ExportFileError",
     "Forbidden",
     "GroupResult",
     "Health",
@@ -69,6 +70,7 @@ __all__ = [
     "TransportError",
     "Unauthorized",
     "decode_trajectory",
+    "read_export",
     "read_questions",
     "rollout",
 ]

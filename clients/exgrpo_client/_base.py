@@ -22,7 +22,7 @@ from typing import IO, Any, Generic, TypeVar
 from urllib.parse import quote
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from exgrpo_client import errors
 from exgrpo_client import schemas as s
@@ -578,12 +578,12 @@ class ExportWriter:
 
 def parse_export_header(line: bytes) -> s.ExportHeader:
     try:
-        obj = json.loads(line)
-        if not isinstance(obj, dict) or obj.pop("type", None) != "header":
-            raise ValueError("the first line is not an export header")
-        return s.ExportHeader.model_validate(obj, strict=False)
-    except ValueError as e:
-        raise errors.ExgrpoError(f"not a pool export: {e}") from e
+        record = s.parse_export_record(line)
+    except ValidationError as e:
+        raise errors.ExgrpoError(f"not a pool export: {s.validation_summary(e)}") from e
+    if not isinstance(record, s.ExportHeader):
+        raise errors.ExgrpoError(f"not a pool export: the first line is a {record.type!r} record")
+    return record
 
 
 class UploadSource:

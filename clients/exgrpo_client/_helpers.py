@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-import base64
-from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from exgrpo_client.schemas import RolloutResult, TrajectoryPublic, pack_ids, pack_logprobs
-
-IdsLike = Sequence[int] | npt.NDArray[np.integer]
-LogprobsLike = Sequence[float] | npt.NDArray[np.floating]
+from exgrpo_client.schemas import (
+    IdsLike,
+    LogprobsLike,
+    RolloutResult,
+    TrajectoryPublic,
+    decode_ids,
+    decode_logprobs,
+    pack_ids,
+    pack_logprobs,
+)
 
 _INT32_MAX = 2**31 - 1
 
@@ -45,12 +49,10 @@ def rollout(
             raise ValueError(f"token_ids and logprobs must be 1-D, got shapes {ids.shape} and {lps.shape}")
         if ids.shape != lps.shape:
             raise ValueError(f"token_ids ({ids.size}) and logprobs ({lps.size}) differ in length")
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
         if ids.size and (ids.min() < 0 or ids.max() > _INT32_MAX):
             raise ValueError("token ids must be in [0, 2^31)")
-        fields["token_ids_b64"] = pack_ids(ids.astype(np.int64).tolist())
-        fields["logprobs_b64"] = pack_logprobs(lps.tolist())
+        fields["token_ids_b64"] = pack_ids(ids)
+        fields["logprobs_b64"] = pack_logprobs(lps)
     return RolloutResult.model_validate(fields)
 
 
@@ -64,9 +66,9 @@ def decode_trajectory(trajectory: TrajectoryPublic) -> tuple[npt.NDArray[np.int3
             f"trajectory {trajectory.id} has no payload: fetch it with payload=True "
             "to get token ids and log-probs"
         )
-    ids = np.frombuffer(base64.b64decode(trajectory.token_ids_b64, validate=True), dtype="<i4")
-    lps = np.frombuffer(base64.b64decode(trajectory.logprobs_b64, validate=True), dtype="<f4")
+    ids = decode_ids(trajectory.token_ids_b64)
+    lps = decode_logprobs(trajectory.logprobs_b64)
     if ids.shape != lps.shape:
         raise ValueError(f"trajectory {trajectory.id}: {ids.size} token ids but {lps.size} log-probs")
-    # astype copies: frombuffer arrays are read-only views of the decoded bytes
+    # astype copies: the decoded arrays are read-only views of the decoded bytes
     return ids.astype(np.int32), lps.astype(np.float32)

@@ -1,4 +1,4 @@
-"""Reading questions from files: the verl/ExGRPO parquet layout, JSON Lines and JSON arrays.
+"""Reading files: questions in the verl/ExGRPO parquet layout, JSON Lines and JSON arrays.
 
 A row becomes a `QuestionCreate` like this:
 
@@ -10,6 +10,8 @@ A row becomes a `QuestionCreate` like this:
 
 Readers yield lists of at most `batch_size` questions, so a large file never sits in memory as
 one list. A row that cannot be read raises `QuestionFileError` naming the file and the row.
+
+`read_export` reads the records of a pool export (`ExportFileError` on a bad line).
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from exgrpo_client.schemas import QuestionCreate
+from exgrpo_client.schemas import (
+    ExportHeader,
+    ExportRecord,
+    QuestionCreate,
+    parse_export_record,
+    validation_summary,
+)
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -40,14 +48,22 @@ _PARQUET_COLUMNS = (
 StrPath = str | os.PathLike[str]
 
 
-class QuestionFileError(ValueError):
-    """A question file, or one of its rows, cannot be read."""
+class FileReadError(ValueError):
+    """A file, or one of its rows, cannot be read."""
 
     def __init__(self, path: StrPath, message: str, *, row: int | None = None) -> None:
         where = f"{os.fspath(path)}" if row is None else f"{os.fspath(path)}, row {row}"
         super().__init__(f"{where}: {message}")
         self.path = os.fspath(path)
         self.row = row
+
+
+class QuestionFileError(FileReadError):
+    """A question file, or one of its rows, cannot be read."""
+
+
+class ExportFileError(FileReadError):
+    """A pool export, or one of its lines (`row`, from 1), cannot be read."""
 
 
 # ------------------------------------------------------------------------------ row -> question
@@ -97,21 +113,13 @@ def question_from_row(row: Mapping[str, Any]) -> QuestionCreate:
     )
 
 
-def _short(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors()[:3]:
-        loc = ".".join(str(x) for x in err["loc"])
-        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
-    return "; ".join(parts)
-
-
 def _convert(path: StrPath, row_number: int, row: Any) -> QuestionCreate:
     if not isinstance(row, Mapping):
         raise QuestionFileError(path, f"expected a JSON object, got {type(row).__name__}", row=row_number)
     try:
         return question_from_row(row)
     except ValidationError as e:
-        raise QuestionFileError(path, _short(e), row=row_number) from e
+        raise QuestionFileError(path, validation_summary(e), row=row_number) from e
     except ValueError as e:
         raise QuestionFileError(path, str(e), row=row_number) from e
 
@@ -229,3 +237,25 @@ def count_rows(path: StrPath) -> int:
             raise QuestionFileError(path, f"not a readable parquet file ({e})") from e
     with open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
+
+
+# ------------------------------------------------------------------------------- pool exports
+def read_export(path: StrPath) -> Iterator[ExportRecord]:
+    """The records of a pool export (the NDJSON `export_pool` writes), each validated as the
+    service validates an import. The first record is the `ExportHeader`."""
+    try:
+        with open(path, "rb") as f:
+            first = True
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = parse_export_record(line)
+                except ValidationError as e:
+                    raise ExportFileError(path, validation_summary(e), row=lineno) from e
+                if first and not isinstance(record, ExportHeader):
+                    raise ExportFileError(path, "the first record is not the export header", row=lineno)
+                first = False
+                yield record
+    except OSError as e:
+        raise ExportFileError(path, f"cannot be read ({e.strerror or e})") from e

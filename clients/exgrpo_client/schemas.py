@@ -1,7 +1,7 @@
 """Wire contract of the experience pool service.
 
 This module is the one piece shared by the service and its clients, so it imports nothing but
-pydantic and the standard library. All models are strict: a JSON `false` is not a float, a string
+pydantic, numpy and the standard library. All models are strict: a JSON `false` is not a float, a string
 is not an int, and unknown fields are refused, so a typo in a request is an error, not a silent
 default. Payload arrays (token ids, log-probs) travel either as JSON lists (easy with curl) or as
 base64 of little-endian packed arrays (int32 ids, float32 log-probs), which is what the SDK sends.
@@ -10,12 +10,22 @@ base64 of little-endian packed arrays (int32 ids, float32 log-probs), which is w
 from __future__ import annotations
 
 import base64
-import math
-import struct
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+import numpy as np
+import numpy.typing as npt
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
@@ -34,6 +44,15 @@ MAX_TOKENS_PER_TRAJECTORY = 65_536
 
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False)
+
+
+def validation_summary(e: ValidationError, limit: int = 3) -> str:
+    """The first `limit` errors of a validation, one `location: message` each, on one line."""
+    parts = []
+    for err in e.errors()[:limit]:
+        loc = ".".join(str(x) for x in err["loc"])
+        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    return "; ".join(parts)
 
 
 class Problem(BaseModel):
@@ -494,6 +513,32 @@ class RunMetricsPublic(Strict):
     count: int
 
 
+# --------------------------------------------------------------------------------- stored plans
+class StoredPick(BaseModel):
+    """A replayed question of a stored batch plan, with the ids of the stored trajectories sent
+    with it. Plans stored before these names were spelled out used the keys q, b, p and c; they
+    still read. Not strict: the values come from the service itself (numpy scalars included)."""
+
+    model_config = ConfigDict(extra="forbid")
+    question_id: int = Field(validation_alias=AliasChoices("question_id", "q"))
+    bucket: int = Field(validation_alias=AliasChoices("bucket", "b"))
+    probability: float = Field(validation_alias=AliasChoices("probability", "p"))
+    candidates: list[int] = Field(default_factory=list, validation_alias=AliasChoices("candidates", "c"))
+
+
+class StoredPlan(BaseModel):
+    """What the service keeps of a planned batch (the batch row's `plan` JSON)."""
+
+    model_config = ConfigDict(extra="forbid")
+    k: int
+    fresh: list[int]
+    replay: list[StoredPick]
+    num_eligible: int
+    skipped_fresh: int
+    epoch: int
+    batch_size: int
+
+
 # ------------------------------------------------------------------------------- export/import
 class PoolImported(Strict):
     pool: str
@@ -504,7 +549,11 @@ class PoolImported(Strict):
     duplicates: int
 
 
+# An export is NDJSON: one record a line, told apart by its `type`. The header comes first, then
+# runs (each followed by its policy versions), questions, per-scope states and trajectories. Ids
+# are the exporting database's; an import maps them to new ones.
 class ExportHeader(Strict):
+    type: Literal["header"] = "header"
     kind: Literal["exgrpo-pool-export"] = "exgrpo-pool-export"
     format_version: int = 1
     pool: PoolCreate
@@ -513,26 +562,151 @@ class ExportHeader(Strict):
     num_runs: int
 
 
+class ExportRun(Strict):
+    type: Literal["run"] = "run"
+    id: RowId
+    name: Name
+    seed: Int32
+    phase: Phase
+    switched_at_step: Int32 | None = None
+    step: Int32
+    policy_version: Int32
+    overrides: RunOverrides = Field(default_factory=RunOverrides)
+
+
+class ExportPolicyVersion(Strict):
+    type: Literal["policy_version"] = "policy_version"
+    run: RowId = Field(description="Id of the exported run (an earlier `run` record).")
+    version: Int32
+    uri: str = Field(min_length=1, max_length=4096)
+    step: Int32 = 0
+
+
+class ExportQuestion(QuestionCreate):
+    type: Literal["question"] = "question"
+    id: RowId
+
+
+class ExportState(Strict):
+    """A question's state in one scope: a run's id, or 0 for the shared scope of a pooled pool."""
+
+    type: Literal["state"] = "state"
+    scope: RowId
+    question: RowId
+    last_k: Int32
+    bucket: Int32 | None = None
+    retired: bool
+    last_step: Int32
+
+
+class ExportTrajectory(Strict):
+    type: Literal["trajectory"] = "trajectory"
+    question: RowId
+    source_run: RowId | None = None
+    policy_version: Int32
+    step: Int32
+    token_ids_b64: str = Field(description="base64 of little-endian int32 ids")
+    logprobs_b64: str = Field(description="base64 of little-endian float32 log-probs")
+    reward: FiniteFloat
+    entropy: FiniteFloat | None = None
+
+
+ExportRecord = Annotated[
+    ExportHeader | ExportRun | ExportPolicyVersion | ExportQuestion | ExportState | ExportTrajectory,
+    Field(discriminator="type"),
+]
+_EXPORT_RECORD: TypeAdapter[ExportRecord] = TypeAdapter(ExportRecord)
+
+
+def parse_export_record(line: str | bytes) -> ExportRecord:
+    """One line of an export, validated strictly (`pydantic.ValidationError`, a `ValueError`)."""
+    return _EXPORT_RECORD.validate_json(line, strict=True)
+
+
+def export_line(record: ExportRecord) -> bytes:
+    """One record as a line of an export (compact JSON and a newline)."""
+    return record.model_dump_json().encode() + b"\n"
+
+
 # ------------------------------------------------------------------------------- packed arrays
-def pack_ids(ids: list[int]) -> str:
-    return base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode("ascii")
+# The one codec of payload arrays: base64 of little-endian int32 token ids and float32 log-probs.
+# The service stores the same bytes (unencoded) in its trajectory rows.
+ID_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+IdsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
+LogprobsLike = Sequence[float] | npt.NDArray[np.floating[Any]]
 
 
-def pack_logprobs(values: list[float]) -> str:
-    if not all(math.isfinite(v) for v in values):
-        raise ValueError("log-probs must be finite")
-    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+def encode_b64(raw: bytes) -> str:
+    """base64 text of packed bytes (as stored by the service)."""
+    return base64.b64encode(raw).decode("ascii")
+
+
+def decode_b64(text: str) -> bytes:
+    """Packed bytes of base64 text; `ValueError` (binascii.Error) on anything but base64."""
+    return base64.b64decode(text, validate=True)
+
+
+def ids_bytes(ids: IdsLike) -> bytes:
+    """Token ids as little-endian int32 bytes; `ValueError` for non-integers or ids beyond int32."""
+    arr = np.asarray(ids)
+    if arr.dtype == object:  # Python ints beyond int64, or a mix of types
+        raise ValueError("token ids must be integers that fit in int32")
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return b""
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX:
+        raise ValueError("token ids must fit in int32")
+    return arr.astype(ID_DTYPE).tobytes()
+
+
+def logprobs_bytes(values: LogprobsLike) -> bytes:
+    """Log-probs as little-endian float32 bytes; `ValueError` unless finite in float32."""
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim != 1:
+        raise ValueError(f"log-probs must be one-dimensional, got shape {arr.shape}")
+    with np.errstate(over="ignore"):
+        packed = arr.astype(LOGPROB_DTYPE)
+    if not np.isfinite(packed).all():
+        raise ValueError("log-probs must be finite float32 numbers")
+    return packed.tobytes()
+
+
+def _array(b64: str, dtype: np.dtype[Any], field: str) -> npt.NDArray[Any]:
+    raw = decode_b64(b64)
+    if len(raw) % dtype.itemsize:
+        raise ValueError(f"{field} length is not a multiple of {dtype.itemsize} bytes ({dtype.name})")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def decode_ids(b64: str) -> npt.NDArray[np.int32]:
+    """Token ids of base64 packed int32 (a read-only array: copy it to modify it)."""
+    return _array(b64, ID_DTYPE, "token_ids_b64")
+
+
+def decode_logprobs(b64: str) -> npt.NDArray[np.float32]:
+    """Log-probs of base64 packed float32 (a read-only array: copy it to modify it)."""
+    return _array(b64, LOGPROB_DTYPE, "logprobs_b64")
+
+
+def pack_ids(ids: IdsLike) -> str:
+    """base64 of little-endian int32 token ids (a list or an integer array)."""
+    return encode_b64(ids_bytes(ids))
+
+
+def pack_logprobs(values: LogprobsLike) -> str:
+    """base64 of little-endian float32 log-probs (a list or a float array)."""
+    return encode_b64(logprobs_bytes(values))
 
 
 def unpack_ids(b64: str) -> list[int]:
-    raw = base64.b64decode(b64, validate=True)
-    if len(raw) % 4:
-        raise ValueError("token_ids_b64 length is not a multiple of 4 bytes (int32)")
-    return list(struct.unpack(f"<{len(raw) // 4}i", raw))
+    return cast("list[int]", decode_ids(b64).tolist())
 
 
 def unpack_logprobs(b64: str) -> list[float]:
-    raw = base64.b64decode(b64, validate=True)
-    if len(raw) % 4:
-        raise ValueError("logprobs_b64 length is not a multiple of 4 bytes (float32)")
-    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    return cast("list[float]", decode_logprobs(b64).tolist())

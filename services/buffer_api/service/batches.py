@@ -6,8 +6,7 @@ import logging
 import secrets
 import uuid
 from collections import Counter
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -31,6 +30,7 @@ from exgrpo_pool.service.convert import (
     rules_for,
     run_overrides,
     scope_of,
+    stored_plan,
     trajectory_public,
 )
 from exgrpo_pool.service.experience import Applied, apply_groups
@@ -109,14 +109,6 @@ async def _draw_fresh(
 
 
 # ----------------------------------------------------------------------------- replay choice
-@dataclass
-class _Pick:
-    question_id: int
-    bucket: int
-    probability: float
-    candidates: list[int]
-
-
 async def _pick_replay(
     ctx: Context,
     session: AsyncSession,
@@ -126,18 +118,22 @@ async def _pick_replay(
     rules: ExperienceRules,
     rng: np.random.Generator,
     mode: s.CandidateMode,
-) -> list[_Pick]:
+) -> list[s.StoredPick]:
     draws = sample_replay(sizes, n, rules, rng)
     ranks: dict[int, list[int]] = {}
     for d in draws:
         ranks.setdefault(d.bucket, []).append(d.index)
     ids = await ctx.index.pick(scope, ranks)
-    picks: list[_Pick] = []
+    picks: list[s.StoredPick] = []
     cursor = dict.fromkeys(ranks, 0)
     for d in draws:
         members = ids[d.bucket]
         if cursor[d.bucket] < len(members):
-            picks.append(_Pick(members[cursor[d.bucket]], d.bucket, d.probability, []))
+            picks.append(
+                s.StoredPick(
+                    question_id=members[cursor[d.bucket]], bucket=d.bucket, probability=d.probability
+                )
+            )
         cursor[d.bucket] += 1
     # the database is the source of truth: drop picks a concurrent writer retired meanwhile
     states = await repo.get_states(session, scope, [p.question_id for p in picks])
@@ -163,17 +159,17 @@ async def _pick_replay(
 
 
 async def _replay_items(
-    session: AsyncSession, picks: list[dict[str, Any]], k: int, *, with_payload: bool
+    session: AsyncSession, picks: list[s.StoredPick], k: int, *, with_payload: bool
 ) -> list[s.ReplayItem]:
-    qids = [p["q"] for p in picks]
+    qids = [p.question_id for p in picks]
     questions = await repo.get_questions(session, qids)
-    tids = {t for p in picks for t in p["c"]}
+    tids = {t for p in picks for t in p.candidates}
     trajs = await repo.trajectories_of(session, qids, payload=with_payload) if tids else {}
     by_id: dict[int, Trajectory] = {t.id: t for ts in trajs.values() for t in ts}
     names = await repo.run_names(session, [t.source_run_id for t in by_id.values() if t.source_run_id])
     items = []
     for p in picks:
-        q = questions[p["q"]]
+        q = questions[p.question_id]
         items.append(
             s.ReplayItem(
                 question_id=q.id,
@@ -181,10 +177,12 @@ async def _replay_items(
                 ground_truth=q.ground_truth,
                 data_source=q.data_source,
                 num_samples=k - 1,
-                bucket=p["b"],
-                probability=p["p"],
+                bucket=p.bucket,
+                probability=p.probability,
                 candidates=[
-                    trajectory_public(by_id[t], names, payload=with_payload) for t in p["c"] if t in by_id
+                    trajectory_public(by_id[t], names, payload=with_payload)
+                    for t in p.candidates
+                    if t in by_id
                 ],
             )
         )
@@ -192,9 +190,9 @@ async def _replay_items(
 
 
 async def _plan_public(session: AsyncSession, pool: Pool, run: Run, batch: Batch) -> s.BatchPlan:
-    plan = batch.plan
-    k = plan["k"]
-    questions = await repo.get_questions(session, plan["fresh"])
+    plan = stored_plan(batch)
+    k = plan.k
+    questions = await repo.get_questions(session, plan.fresh)
     fresh = [
         s.FreshItem(
             question_id=q.id,
@@ -203,9 +201,9 @@ async def _plan_public(session: AsyncSession, pool: Pool, run: Run, batch: Batch
             data_source=q.data_source,
             num_samples=k,
         )
-        for q in (questions[i] for i in plan["fresh"])
+        for q in (questions[i] for i in plan.fresh)
     ]
-    replay = await _replay_items(session, plan["replay"], k, with_payload=True)
+    replay = await _replay_items(session, plan.replay, k, with_payload=True)
     return s.BatchPlan(
         id=batch.id,
         run=run.name,
@@ -217,9 +215,9 @@ async def _plan_public(session: AsyncSession, pool: Pool, run: Run, batch: Batch
         k=k,
         fresh=fresh,
         replay=replay,
-        num_eligible=plan["num_eligible"],
-        skipped_fresh=plan["skipped_fresh"],
-        epoch=plan["epoch"],
+        num_eligible=plan.num_eligible,
+        skipped_fresh=plan.skipped_fresh,
+        epoch=plan.epoch,
         created_at=batch.created_at,
     )
 
@@ -272,17 +270,15 @@ async def plan_batch(ctx: Context, pool: Pool, run_name: str, req: s.BatchCreate
             status="planned",
             phase=phase,
             policy_version=run.policy_version,
-            plan={
-                "k": rules.k,
-                "fresh": fresh,
-                "replay": [
-                    {"q": p.question_id, "b": p.bucket, "p": p.probability, "c": p.candidates} for p in picks
-                ],
-                "num_eligible": sum(sizes.values()),
-                "skipped_fresh": rules.batch_size - len(fresh),
-                "epoch": run.epoch,
-                "batch_size": rules.batch_size,
-            },
+            plan=s.StoredPlan(
+                k=rules.k,
+                fresh=fresh,
+                replay=picks,
+                num_eligible=sum(sizes.values()),
+                skipped_fresh=rules.batch_size - len(fresh),
+                epoch=run.epoch,
+                batch_size=rules.batch_size,
+            ).model_dump(),
             created_at=utcnow(),
         )
         session.add(batch)
@@ -349,8 +345,8 @@ async def _batch_and_run(
 
 # ---------------------------------------------------------------------------------- commit
 def _check_against_plan(batch: Batch, groups: list[s.GroupResult]) -> None:
-    plan = batch.plan
-    expected = Counter([(q, False) for q in plan["fresh"]] + [(p["q"], True) for p in plan["replay"]])
+    plan = stored_plan(batch)
+    expected = Counter([(q, False) for q in plan.fresh] + [(p.question_id, True) for p in plan.replay])
     got = Counter((g.question_id, any(r.replayed for r in g.rollouts)) for g in groups)
     if expected == got:
         return
@@ -408,7 +404,7 @@ async def commit_batch(ctx: Context, pool: Pool, batch_id: str, req: s.BatchComm
             {
                 **req.metrics,
                 "batch/solved": solved,
-                "batch/replayed_questions": float(len(batch.plan["replay"])),
+                "batch/replayed_questions": float(len(stored_plan(batch).replay)),
                 "pool/stored_trajectories": float(applied.stored),
                 "pool/retired": float(applied.retired),
             },
@@ -491,11 +487,6 @@ async def select_replay(ctx: Context, pool: Pool, run_name: str, req: s.SelectRe
         picks = await _pick_replay(
             ctx, session, scope, sizes, req.n, rules, make_rng(run.seed, seed, "select"), req.candidates
         )
-        items = await _replay_items(
-            session,
-            [{"q": p.question_id, "b": p.bucket, "p": p.probability, "c": p.candidates} for p in picks],
-            rules.k,
-            with_payload=True,
-        )
+        items = await _replay_items(session, picks, rules.k, with_payload=True)
     ctx.metrics.replay_picks.labels(pool.name).inc(len(items))
     return s.SelectResult(run=run.name, num_eligible=sum(sizes.values()), replay=items)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -12,7 +12,7 @@ import numpy as np
 from exgrpo_client import schemas as s
 from exgrpo_pool.domain import ExperienceRules
 from exgrpo_pool.errors import BadRequest
-from exgrpo_pool.store.models import POOLED_SCOPE, Pool, Question, Run, Trajectory
+from exgrpo_pool.store.models import POOLED_SCOPE, Batch, Pool, Question, Run, Trajectory
 
 
 def pool_config(pool: Pool) -> s.PoolConfig:
@@ -41,6 +41,10 @@ def rules_for(pool: Pool, run: Run | None = None) -> ExperienceRules:
     )
 
 
+def stored_plan(batch: Batch) -> s.StoredPlan:
+    return s.StoredPlan.model_validate(batch.plan)
+
+
 def scope_of(pool: Pool, run: Run) -> int:
     return POOLED_SCOPE if pool_config(pool).sharing == "pooled" else run.id
 
@@ -48,6 +52,21 @@ def scope_of(pool: Pool, run: Run) -> int:
 def content_hash(prompt: list[dict[str, Any]], ground_truth: str) -> bytes:
     canon = json.dumps({"p": prompt, "g": ground_truth}, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(canon.encode()).digest()[:16]
+
+
+def question_row(pool_id: int, q: s.QuestionCreate, now: datetime) -> dict[str, Any]:
+    """The `question` table row of a new question (its content hash included)."""
+    prompt = [m.model_dump() for m in q.prompt]
+    return {
+        "pool_id": pool_id,
+        "content_hash": content_hash(prompt, q.ground_truth),
+        "prompt": prompt,
+        "ground_truth": q.ground_truth,
+        "data_source": q.data_source,
+        "external_id": q.external_id,
+        "metadata": q.metadata,
+        "created_at": now,
+    }
 
 
 def pool_public(pool: Pool, counts: tuple[int, int, int]) -> s.PoolPublic:
@@ -99,10 +118,6 @@ def question_public(q: Question, pool_name: str) -> s.QuestionPublic:
     )
 
 
-def b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode("ascii")
-
-
 def trajectory_public(t: Trajectory, run_names: dict[int, str], *, payload: bool) -> s.TrajectoryPublic:
     return s.TrajectoryPublic(
         id=t.id,
@@ -114,8 +129,8 @@ def trajectory_public(t: Trajectory, run_names: dict[int, str], *, payload: bool
         entropy=t.entropy,
         num_tokens=t.num_tokens,
         created_at=t.created_at,
-        token_ids_b64=b64(t.token_ids) if payload else None,
-        logprobs_b64=b64(t.logprobs) if payload else None,
+        token_ids_b64=s.encode_b64(t.token_ids) if payload else None,
+        logprobs_b64=s.encode_b64(t.logprobs) if payload else None,
     )
 
 
@@ -125,16 +140,14 @@ def decode_payload(r: s.Payload, where: str) -> tuple[np.ndarray, np.ndarray] | 
         if r.token_ids is not None:
             ids = np.asarray(r.token_ids, dtype=np.int64)
         elif r.token_ids_b64 is not None:
-            ids = np.frombuffer(base64.b64decode(r.token_ids_b64, validate=True), dtype="<i4").astype(
-                np.int64
-            )
+            ids = s.decode_ids(r.token_ids_b64).astype(np.int64)
         else:
             return None
         if r.logprobs is not None:
             # float64 first: a JSON number beyond float32 range is refused below, not cast to -inf
             lps = np.asarray(r.logprobs, dtype=np.float64)
         elif r.logprobs_b64 is not None:
-            lps = np.frombuffer(base64.b64decode(r.logprobs_b64, validate=True), dtype="<f4")
+            lps = s.decode_logprobs(r.logprobs_b64)
         else:
             return None
     except OverflowError as e:  # a JSON token id beyond int64
@@ -160,4 +173,4 @@ def decode_payload(r: s.Payload, where: str) -> tuple[np.ndarray, np.ndarray] | 
         )
     if (lps > 1e-3).any():
         raise BadRequest(f"{where}: log-probs must be <= 0 (they are log-probabilities)")
-    return ids.astype("<i4"), lps.astype("<f4")
+    return ids.astype(s.ID_DTYPE), lps.astype(s.LOGPROB_DTYPE)

@@ -9,10 +9,10 @@ from exgrpo_pool.errors import Conflict, NotFound
 from exgrpo_pool.service.batches import _get_run, rebuild_index
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
-    content_hash,
     pool_config,
     pool_public,
     question_public,
+    question_row,
     run_public,
     scope_of,
     trajectory_public,
@@ -88,21 +88,7 @@ async def show_pool(ctx: Context, name: str) -> s.PoolPublic:
 # --------------------------------------------------------------------------------- questions
 async def import_questions(ctx: Context, pool: Pool, req: s.QuestionsImport) -> s.QuestionsImported:
     now = utcnow()
-    rows = []
-    for q in req.questions:
-        prompt = [m.model_dump() for m in q.prompt]
-        rows.append(
-            {
-                "pool_id": pool.id,
-                "content_hash": content_hash(prompt, q.ground_truth),
-                "prompt": prompt,
-                "ground_truth": q.ground_truth,
-                "data_source": q.data_source,
-                "external_id": q.external_id,
-                "metadata": q.metadata,
-                "created_at": now,
-            }
-        )
+    rows = [question_row(pool.id, q, now) for q in req.questions]
     async with ctx.db.write() as session:
         inserted = await repo.insert_questions(session, rows)
         total = await repo.count_questions(session, pool.id)

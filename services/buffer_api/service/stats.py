@@ -9,7 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from exgrpo_client import schemas as s
 from exgrpo_pool.service.context import Context
-from exgrpo_pool.service.convert import scope_of
+from exgrpo_pool.service.convert import scope_of, stored_plan
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import Batch, Pool, Run, utcnow
 
@@ -36,6 +36,6 @@ async def collect_run_stats(
         retired=retired,
         seen=seen,
         trajectories=total,
-        replayed_last_step=0 if last is None else len(last.plan["replay"]),
+        replayed_last_step=0 if last is None else len(stored_plan(last).replay),
         ingest_per_minute=recent / 5.0,
     )
