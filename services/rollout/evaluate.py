@@ -22,15 +22,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exgrpo_rollout.engines.base import Completion, GenerationEngine, SamplingConfig
 from exgrpo_rollout.prompts import render_prompt_text
+
+if TYPE_CHECKING:
+    from exgrpo_rollout.graders import GradingPool
 
 __all__ = [
     "CHOICE_SOURCE_PREFIXES",
@@ -168,21 +170,18 @@ def _response_ids(c: Completion, eos_ids: set[int]) -> list[int]:
     return ids
 
 
-def _grade(items: Sequence[tuple[str, str, str]], grading: Any, timeout_s: float) -> list[tuple[float, str]]:
+def _grade(
+    items: Sequence[tuple[str, str, str]], grading: GradingPool | None, timeout_s: float
+) -> list[tuple[float, str]]:
     """(reward, reason) per (grader, response, gold), graded in groups of one grader."""
+    from exgrpo_rollout.graders import grade_items
+
     out: list[tuple[float, str] | None] = [None] * len(items)
     by_grader: dict[str, list[int]] = {}
     for i, (name, _, _) in enumerate(items):
         by_grader.setdefault(name, []).append(i)
     for name, idx in by_grader.items():
-        pairs = [(items[i][1], items[i][2]) for i in idx]
-        if grading is not None:
-            grades = grading.grade_many(name, pairs, timeout_s=timeout_s)
-        else:
-            from exgrpo_rollout.graders import grade_one
-
-            on_main = threading.current_thread() is threading.main_thread()
-            grades = [grade_one(name, r, g, timeout_s=timeout_s if on_main else None) for r, g in pairs]
+        grades = grade_items(name, [(items[i][1], items[i][2]) for i in idx], timeout_s, grading)
         for i, g in zip(idx, grades, strict=True):
             out[i] = (float(g.reward), g.reason)
     assert all(o is not None for o in out)
@@ -196,7 +195,7 @@ def evaluate(
     *,
     sampling: SamplingConfig | None = None,
     grader: str = "auto",
-    grading: Any = None,
+    grading: GradingPool | None = None,
     grading_timeout_s: float = 5.0,
     drop_system: bool = True,
     max_prompt_len: int | None = None,

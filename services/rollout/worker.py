@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 from urllib.request import url2pathname
 
@@ -49,6 +49,9 @@ from exgrpo_client.schemas import RolloutResult, TaskPublic
 from exgrpo_rollout.engines.base import Completion, GenerationEngine, SamplingConfig
 from exgrpo_rollout.logs import fields
 from exgrpo_rollout.prompts import render_prompt
+
+if TYPE_CHECKING:
+    from exgrpo_rollout.graders import Grade, GradingPool
 
 __all__ = [
     "RolloutWorker",
@@ -231,7 +234,7 @@ class RolloutWorker:
         tokenizer: Any,
         *,
         client_factory: Callable[[], Client],
-        grading: Any = None,
+        grading: GradingPool | None = None,
         metrics: WorkerMetrics | None = None,
         loaded_version: int = -1,
     ) -> None:
@@ -519,16 +522,10 @@ class RolloutWorker:
             return c.text
         return str(self.tokenizer.decode(c.token_ids, skip_special_tokens=False))
 
-    def _grade(self, items: list[tuple[str, str]]) -> list[Any]:
-        if self.grading is not None:
-            return list(self.grading.grade_many(self.cfg.grader, items, timeout_s=self.cfg.grading_timeout_s))
-        from exgrpo_rollout.graders import grade_one
+    def _grade(self, items: list[tuple[str, str]]) -> list[Grade]:
+        from exgrpo_rollout.graders import grade_items
 
-        on_main = threading.current_thread() is threading.main_thread()
-        timeout = (
-            self.cfg.grading_timeout_s if on_main else None
-        )  # SIGALRM limits work on the main thread only
-        return [grade_one(self.cfg.grader, r, g, timeout_s=timeout) for r, g in items]
+        return grade_items(self.cfg.grader, items, self.cfg.grading_timeout_s, self.grading)
 
     def _complete(self, task: TaskPublic, rollouts: list[RolloutResult]) -> None:
         with self._lock:

@@ -1,5 +1,5 @@
 """Grading with hard per-item time limits: a process pool (:class:`GradingPool`) and an
-in-process variant (:func:`grade_one`).
+in-process variant (:func:`grade_one`); :func:`grade_items` grades a list with either.
 
 Why a hand-rolled pool rather than ``concurrent.futures.ProcessPoolExecutor``: an executor gives no
 way to learn when a queued task *starts*, and no way to stop one task without tearing down the
@@ -57,7 +57,7 @@ from exgrpo_rollout.graders.base import (
 )
 from exgrpo_rollout.graders.registry import get_grader
 
-__all__ = ["DEFAULT_PRELOAD", "GradingPool", "PoolStats", "grade_one"]
+__all__ = ["DEFAULT_PRELOAD", "GradingPool", "PoolStats", "grade_items", "grade_one"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,23 @@ def grade_one(
     finally:
         signal.signal(signal.SIGALRM, previous)
     return result
+
+
+def grade_items(
+    grader: str, items: Sequence[tuple[str, str]], timeout_s: float, pool: GradingPool | None = None
+) -> list[Grade]:
+    """Grade ``(response, ground_truth)`` items with the named grader; results keep input order.
+
+    In ``pool`` when one is given (hard per-item limits in child processes), else in this process
+    with :func:`grade_one`: its ``SIGALRM`` limit works on the main thread only, so on any other
+    thread items are graded without an outer limit (Math-Verify's own limits are off there too).
+    """
+    if not items:
+        return []
+    if pool is not None:
+        return pool.grade_many(grader, items, timeout_s=timeout_s)
+    limit = timeout_s if threading.current_thread() is threading.main_thread() else None
+    return [grade_one(grader, response, gold, timeout_s=limit) for response, gold in items]
 
 
 # ----------------------------------------------------------------------------------------------
