@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Select, and_, delete, func, or_, select, update
+from sqlalchemy import Select, and_, case, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -198,8 +198,6 @@ async def upsert_states(session: AsyncSession, kind: str, rows: list[dict[str, A
         "updated_at": ex.updated_at,
     }
     if kind == "collect":
-        from sqlalchemy import case
-
         common["bucket"] = case((RunQuestion.retired, None), else_=ex.bucket)
     elif kind == "retire":
         common["bucket"] = None
