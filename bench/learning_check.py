@@ -6,8 +6,8 @@
    back with the project's question reader).
 3. Held-out accuracy before: `warmstart.heldout_problems()` (200 problems, levels 1-4), 4 samples
    each at temperature 1.0 and 2 at 0.6, with the transformers engine and the `arithmetic` grader.
-4. The real trainer (`run_training`) with the `cpu_demo` recipe (or `cpu_demo_quick`), plus any
-   `key=value` overrides.
+4. The real trainer (`run_training`) with the one-box job's `cpu_demo` recipe (or `cpu_demo_quick`),
+   plus any `key=value` overrides, resolved by `exgrpo_onebox.config.resolve`.
 5. Held-out accuracy of the final published weights, the same way; OUT/report.json.
 
     OMP_NUM_THREADS=1 python bench/learning_check.py --out /tmp/lc
@@ -28,18 +28,17 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
-import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from exgrpo_client import Client
 from exgrpo_client.io import read_questions
-from exgrpo_onebox.main_job import RECIPES
+from exgrpo_onebox.config import MainJobOptions, resolve
+from exgrpo_onebox.main_job import prepare_pool
 from exgrpo_onebox.synthetic import make_problems, write_parquet
 from exgrpo_onebox.warmstart import evaluate_accuracy, heldout_problems, prepare_model
 from exgrpo_pool.config import Settings
 from exgrpo_pool.embedded import serve_in_thread
-from exgrpo_trainer.config import TrainConfig, apply_overrides
-from exgrpo_trainer.trainer import run_training
+from exgrpo_trainer import run_training
 
 
 def accuracy(folder: Path, seed: int) -> dict[str, dict[str, float]]:
@@ -82,6 +81,10 @@ def main() -> None:
 
     run_dir = args.out / f"run-{int(time.time())}"
     recipe = "cpu_demo_quick" if args.quick else "cpu_demo"
+    options = MainJobOptions(
+        quick=args.quick, model=model, out=run_dir, seed=args.seed, overrides=args.overrides
+    )
+    cfg = resolve(options).config  # K = 8, B = 16 and the rest, as `exgrpo run` would train
     settings = Settings(
         database_url=f"sqlite+aiosqlite:///{args.out / 'pool.db'}",
         allow_anonymous=True,
@@ -90,26 +93,9 @@ def main() -> None:
         log_level="WARNING",
     )
     with serve_in_thread(settings) as srv, Client(srv.url) as client:
-        url = srv.url
-        pool = f"arith-{run_dir.name}"
-        client.create_pool(pool, config={"k": 8, "batch_size": 16})
-        for chunk in read_questions(path):
-            client.import_questions(pool, chunk)
-        data = yaml.safe_load((RECIPES / f"{recipe}.yaml").read_text())
-        data.pop("job", None)  # the main job's sizes, not trainer settings
-        cfg = TrainConfig.model_validate(
-            apply_overrides(
-                data,
-                [
-                    f"run.pool_url={url}",
-                    f"run.pool={pool}",
-                    f"run.output_dir={run_dir}",
-                    f"run.seed={args.seed}",
-                    f"model.path={model}",
-                    *args.overrides,
-                ],
-            )
-        )
+        cfg.run.pool_url = srv.url
+        cfg.run.pool = f"arith-{run_dir.name}"
+        prepare_pool(client, cfg, [q for chunk in read_questions(path) for q in chunk], "learning check")
         t = time.perf_counter()
         run_training(cfg, client=client)
         timings["train"] = time.perf_counter() - t

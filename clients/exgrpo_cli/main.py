@@ -220,6 +220,10 @@ def run_job(
     quick: Annotated[
         bool, typer.Option("--quick", help="About a minute end to end (for tests and a first look).")
     ] = False,
+    recipe: Annotated[
+        Path | None,
+        typer.Option(help="One-box recipe file (default: cpu_demo, or cpu_demo_quick with --quick)."),
+    ] = None,
     model: Annotated[
         Path | None, typer.Option(help="Hugging Face model folder (default: the warm-started tiny model).")
     ] = None,
@@ -230,7 +234,9 @@ def run_job(
     out: Annotated[Path | None, typer.Option(help="Run folder (default exgrpo-data/runs/<time>).")] = None,
     serve: Annotated[bool, typer.Option("--serve", help="Keep the pool service up at the end.")] = False,
     grpo: Annotated[bool, typer.Option("--grpo", help="Plain on-policy GRPO instead of ExGRPO.")] = False,
-    seed: Annotated[int, typer.Option(help="Seed of data, run and sampling.")] = 0,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of data, run and sampling (run.seed).", show_default="0")
+    ] = None,
     heldout: Annotated[
         int | None, typer.Option(min=1, help="Held-out questions to evaluate on.", show_default="128")
     ] = None,
@@ -242,8 +248,8 @@ def run_job(
         list[str] | None,
         typer.Argument(
             metavar="[KEY=VALUE]...",
-            help="Trainer settings (run.steps=20), pool rules (pool.weighting=uniform), job sizes "
-            "(job.eval_max_new_tokens=256, job.train_questions=500, job.pool_batch_size=8).",
+            help="Trainer settings (run.steps=20, experience.batch_size=8), pool rules (pool.k=4, "
+            "pool.weighting=uniform), job sizes (job.train_questions=500, job.eval_every=5).",
             show_default=False,
         ),
     ] = None,
@@ -254,16 +260,17 @@ def run_job(
         raise ValueError(
             "the main job needs the train extra: pip install 'exgrpo-stack[server,train,rollout]'"
         )
-    from exgrpo_onebox.main_job import options_from, run_main_job
+    from exgrpo_onebox.main_job import MainJobOptions, run_main_job
 
     run_main_job(
-        options_from(
+        MainJobOptions(
             quick=quick,
+            recipe=recipe,
             model=model,
             data=data,
             out=out,
             serve=serve,
-            experience=not grpo,
+            grpo=grpo,
             seed=seed,
             heldout=heldout,
             rollouts=rollouts,

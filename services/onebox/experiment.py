@@ -27,7 +27,7 @@ import shutil
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -37,38 +37,46 @@ from typing import Any
 import matplotlib.pyplot as plt
 from rich.console import Console
 
-from exgrpo_onebox.main_job import (
-    MainJobOptions,
-    one_thread_on_small_boxes,
-    run_main_job,
-    split_overrides,
-    warm_started_model,
-)
+from exgrpo_onebox.config import MainJobOptions, resolve
+from exgrpo_onebox.main_job import one_thread_on_small_boxes, run_main_job, warm_started_model
 from exgrpo_onebox.report import read_jsonl, save_figure
 
 
 @dataclass(frozen=True)
 class Arm:
     name: str
-    overrides: tuple[str, ...]
-    """The arm's settings, on top of the recipe."""
+    settings: Mapping[str, Any]
+    """The arm's settings on top of the recipe, as nested data (see `exgrpo_onebox.config`)."""
     what: str
-    experience: bool = True
 
 
 ARMS: tuple[Arm, ...] = (
-    Arm("grpo", (), "on-policy GRPO (experience off)", experience=False),
-    Arm("exgrpo", (), "ExGRPO: entropy choice, Gaussian buckets, ratio 0.5, delayed start 0.35"),
+    Arm("grpo", {"experience": {"enabled": False}}, "on-policy GRPO (experience off)"),
+    Arm("exgrpo", {}, "ExGRPO: entropy choice, Gaussian buckets, ratio 0.5, delayed start 0.35"),
     Arm(
-        "choice-random", ("experience.metric=random",), "ExGRPO, random trajectory instead of lowest entropy"
+        "choice-random",
+        {"experience": {"metric": "random"}},
+        "ExGRPO, random trajectory instead of lowest entropy",
     ),
-    Arm("buckets-uniform", ("pool.weighting=uniform",), "ExGRPO, uniform bucket weights instead of Gaussian"),
-    Arm("ratio-0.25", ("experience.ratio=0.25",), "ExGRPO, experience ratio 0.25"),
-    Arm("ratio-0.75", ("experience.ratio=0.75",), "ExGRPO, experience ratio 0.75"),
-    Arm("no-delayed-start", ("experience.start_threshold=0",), "ExGRPO, mixed from the first solved batch"),
+    Arm(
+        "buckets-uniform",
+        {"pool": {"weighting": "uniform"}},
+        "ExGRPO, uniform bucket weights instead of Gaussian",
+    ),
+    Arm("ratio-0.25", {"experience": {"ratio": 0.25}}, "ExGRPO, experience ratio 0.25"),
+    Arm("ratio-0.75", {"experience": {"ratio": 0.75}}, "ExGRPO, experience ratio 0.75"),
+    Arm(
+        "no-delayed-start",
+        {"experience": {"start_threshold": 0.0}},
+        "ExGRPO, mixed from the first solved batch",
+    ),
     # the warm-started model solves ~45% of its first batch, past the default 0.35, so the default run
     # switches after step 1 like no-delayed-start; a later switch shows what delaying does here
-    Arm("delayed-start-0.6", ("experience.start_threshold=0.6",), "ExGRPO, switch when a batch solves > 60%"),
+    Arm(
+        "delayed-start-0.6",
+        {"experience": {"start_threshold": 0.6}},
+        "ExGRPO, switch when a batch solves > 60%",
+    ),
 )
 ARM_NAMES = tuple(a.name for a in ARMS)
 
@@ -86,7 +94,7 @@ class ExperimentOptions:
     quick: bool = False
     report_only: bool = False
     overrides: list[str] = field(default_factory=list)
-    """Passed to every run (pool.*, job.*, trainer keys)."""
+    """`key=value` settings of every run, over the arm's (see `exgrpo run`)."""
 
 
 def _run_dir(out: Path, arm: str, seed: int) -> Path:
@@ -98,11 +106,11 @@ def run_options(arm: Arm, seed: int, opts: ExperimentOptions) -> MainJobOptions:
     return MainJobOptions(
         quick=opts.quick,
         out=_run_dir(opts.out, arm.name, seed),
-        experience=arm.experience,
         seed=seed,
         heldout=opts.heldout,
         rollouts=opts.rollouts,
-        overrides=[*arm.overrides, *opts.overrides],
+        settings=arm.settings,
+        overrides=list(opts.overrides),
     )
 
 
@@ -148,9 +156,10 @@ def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> P
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARM_NAMES)}")
     if opts.seeds < 1 or opts.jobs < 1 or opts.rollouts < 1:
         raise ValueError("--seeds, --jobs and --rollouts must be positive")
-    split_overrides(opts.overrides)  # bad overrides fail before the first run
-    opts.out.mkdir(parents=True, exist_ok=True)
     arms = [a for a in ARMS if a.name in opts.arms]
+    for arm in arms:
+        resolve(run_options(arm, 0, opts))  # bad settings fail before the first run
+    opts.out.mkdir(parents=True, exist_ok=True)
     todo = [
         (arm, seed)
         for seed in range(opts.seeds)

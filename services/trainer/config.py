@@ -257,5 +257,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"{file}: expected a mapping of sections at the top level")
         data = dict(loaded or {})
-        data.pop("job", None)  # a recipe's `job:` section is read by the main job, not the trainer
     return TrainConfig.model_validate(apply_overrides(data, overrides or []))

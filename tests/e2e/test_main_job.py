@@ -9,12 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 
 def test_quick_main_job_runs_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
     proc = subprocess.run(
-        # the trainer's experience settings and the job's sizes must become the run's rules
+        # the run's experience settings (B included) must become the run's rules and the pool's
         [
             sys.executable,
             "-m",
@@ -24,7 +26,7 @@ def test_quick_main_job_runs_end_to_end(tmp_path: Path) -> None:
             "--out",
             str(out),
             "experience.ratio=0.25",
-            "job.pool_batch_size=8",  # the job's B wins over the recipe's experience.batch_size
+            "experience.batch_size=8",  # B, over the recipe's 16
             "experience.start_threshold=0.02",
         ],
         cwd=tmp_path,
@@ -61,6 +63,12 @@ def test_quick_main_job_runs_end_to_end(tmp_path: Path) -> None:
     ((overrides,),) = db.execute("select overrides from run where name = 'exgrpo'").fetchall()
     assert json.loads(overrides)["experience_ratio"] == 0.25
     assert json.loads(overrides)["start_threshold"] == 0.02
+    ((config,),) = db.execute("select config from pool where name = 'main'").fetchall()
+    pool_rules = json.loads(config)
+    assert (pool_rules["k"], pool_rules["batch_size"], pool_rules["experience_ratio"]) == (8, 8, 0.25)
+    saved = yaml.safe_load((out / "config.yaml").read_text())  # the effective settings, all of them
+    assert saved["experience"]["batch_size"] == saved["pool"]["batch_size"] == 8
+    assert saved["job"]["eval_max_new_tokens"] == saved["rollout"]["max_new_tokens"] == 96
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["batch/questions"] == 8 and m["batch/generated"] >= 8 * 7 for m in metrics)
     replayed = [m["batch/replayed_questions"] for m in metrics if m["phase/mixed"]]

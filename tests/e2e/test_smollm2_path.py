@@ -42,8 +42,7 @@ def test_smollm2_main_job_two_steps(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "exgrpo_cli.main", "run", "--quick",
         "--model", str(model), "--data", str(DATA), "--out", str(out), "--heldout", "8",
-        "job.pool_k=4", "job.pool_batch_size=4", "job.train_questions=64",
-        "job.eval_max_new_tokens=48", "job.eval_every=1",
+        "pool.k=4", "experience.batch_size=4", "job.train_questions=64", "job.eval_every=1",
         "run.steps=2",
         "rollout.max_new_tokens=48",
         "rollout.grader=math_think",
