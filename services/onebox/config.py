@@ -104,7 +104,12 @@ class OneBoxConfig(TrainConfig):
     @property
     def rollouts_per_eval(self) -> int:
         """Generated rollouts between evaluations under a rollout budget: eval_every * K * B."""
-        return self.job.eval_every * self.pool.k * self.pool.batch_size
+        return self.job.eval_every * self.pool.k * self._batch_size()
+
+    def _batch_size(self) -> int:
+        b = self.experience.batch_size
+        assert b is not None  # filled by _derive
+        return b
 
     def eval_sampling(self, seed: int) -> SamplingConfig:
         """Sampling of the held-out evaluation."""
@@ -121,7 +126,7 @@ class OneBoxConfig(TrainConfig):
         generates at least B * (K - 1) rollouts."""
         if self.job.rollouts is None:
             return None
-        per_step = self.pool.batch_size * (self.pool.k - 1)
+        per_step = self._batch_size() * (self.pool.k - 1)
         return -(-self.job.rollouts // per_step) + 1
 
 
