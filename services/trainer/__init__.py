@@ -12,8 +12,9 @@ A step hook sees the `Trainer`: `trainer.step`, `trainer.cfg`, `trainer.tokenize
 `with trainer.generation_engine() as engine:` (a rollout engine over the full current weights,
 entered on every rank together).
 
-Heavy modules (torch, transformers) are imported on first use of a name that needs them, so
-`exgrpo_trainer.config` stays cheap to import.
+The trainer's modules (transformers, the SDK, the rollout engines) are imported on first use of
+`Trainer`, `run_training` or `StepHook`; the config alone needs torch only through the loss's
+settings class.
 """
 
 from __future__ import annotations
