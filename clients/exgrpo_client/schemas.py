@@ -17,7 +17,6 @@ from typing import Annotated, Any, Literal, cast
 import numpy as np
 import numpy.typing as npt
 from pydantic import (
-    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -439,7 +438,8 @@ class TaskGroupResult(GroupResult):
     """The samples of one completed generation task."""
 
     replayed: bool = Field(
-        False, description="The task's question is replayed in the batch: these are its K-1 generated samples."
+        False,
+        description="The task's question is replayed in the batch: these are its K-1 generated samples.",
     )
 
 
@@ -519,11 +519,11 @@ class StoredPick(BaseModel):
     with it. Plans stored before these names were spelled out used the keys q, b, p and c; they
     still read. Not strict: the values come from the service itself (numpy scalars included)."""
 
-    model_config = ConfigDict(extra="forbid")
-    question_id: int = Field(validation_alias=AliasChoices("question_id", "q"))
-    bucket: int = Field(validation_alias=AliasChoices("bucket", "b"))
-    probability: float = Field(validation_alias=AliasChoices("probability", "p"))
-    candidates: list[int] = Field(default_factory=list, validation_alias=AliasChoices("candidates", "c"))
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
+    question_id: int = Field(validation_alias="q")
+    bucket: int = Field(validation_alias="b")
+    probability: float = Field(validation_alias="p")
+    candidates: list[int] = Field(default_factory=list, validation_alias="c")
 
 
 class StoredPlan(BaseModel):

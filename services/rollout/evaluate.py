@@ -226,8 +226,8 @@ def evaluate(
             chunk = keys[start : start + prompts_per_call]
             out = engine.generate([list(k) for k in chunk], dataclasses.replace(base, n=n))
             for key, cs in zip(chunk, out, strict=True):
-                for row, c in zip(groups[key], cs, strict=True):
-                    completions[row] = c
+                for i, completion in zip(groups[key], cs, strict=True):
+                    completions[i] = completion
             done += n * len(chunk)
             if progress is not None:
                 progress(done)

@@ -51,6 +51,7 @@ from exgrpo_rollout.logs import fields
 from exgrpo_rollout.prompts import render_prompt
 
 if TYPE_CHECKING:
+    from exgrpo_rollout.engines.factory import EngineName
     from exgrpo_rollout.graders import Grade, GradingPool
 
 __all__ = [
@@ -664,7 +665,8 @@ class _LeaseKeeper:
         client = self.worker._client_factory()
         start = time.monotonic()
         next_renew, next_beat = start + renew_every, start + cfg.heartbeat_s
-        last_beat, last = start, {}
+        last_beat = start
+        last: dict[str, float] = {}
         try:
             while True:
                 wait = max(0.0, min(next_renew, next_beat) - time.monotonic())
@@ -687,7 +689,7 @@ class _LeaseKeeper:
 def run_worker(
     config: WorkerConfig,
     *,
-    engine: str = "transformers",
+    engine: EngineName = "transformers",
     model: str | None = None,
     url: str | None = None,
     token: str | None = None,
@@ -718,7 +720,7 @@ def run_worker(
     log.info("engine_loading", extra=fields(engine=engine, model=model))
     start = time.perf_counter()
     gen, tokenizer = load_engine(
-        engine,  # type: ignore[arg-type]
+        engine,
         model,
         device=device,
         dtype=dtype,

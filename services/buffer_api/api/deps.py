@@ -40,7 +40,7 @@ class Principal:
 
 
 def get_context(request: Request) -> Context:
-    return request.app.state.ctx  # type: ignore[no-any-return]
+    return request.app.state.ctx
 
 
 ContextDep = Annotated[Context, Depends(get_context)]
@@ -150,7 +150,7 @@ class Idempotency:
         if self.ctx.redis is not None:
             raw = await self.ctx.redis.get(self._redis_key())
             if raw:
-                return json.loads(raw)  # type: ignore[no-any-return]
+                return json.loads(raw)
         async with self.ctx.db.read() as session:
             row = await repo.get_idempotent(session, self.key or "", self.principal.name)
         if row is None:

@@ -12,8 +12,10 @@ import hashlib
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .buckets import bucket_probs
 from .rules import ExperienceRules
@@ -33,7 +35,11 @@ def _bucket_key(key: object) -> int:
     return int(key)
 
 
-def _int_vector(values: Sequence[int], what: str) -> np.ndarray:
+#: Counts per bucket: a list of ints or an integer array.
+IntVector = Sequence[int] | npt.NDArray[np.integer[Any]]
+
+
+def _int_vector(values: IntVector, what: str) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be one-dimensional")
@@ -46,8 +52,8 @@ def _int_vector(values: Sequence[int], what: str) -> np.ndarray:
 
 
 def allocate_counts(
-    counts: Sequence[int],
-    sizes: Sequence[int],
+    counts: IntVector,
+    sizes: IntVector,
     probs: Sequence[float],
     rng: np.random.Generator,
 ) -> list[int]:

@@ -209,8 +209,8 @@ async def _plan_public(session: AsyncSession, pool: Pool, run: Run, batch: Batch
         run=run.name,
         pool=pool.name,
         step=batch.step,
-        phase=batch.phase,  # type: ignore[arg-type]
-        status=batch.status,  # type: ignore[arg-type]
+        phase=batch.phase,
+        status=batch.status,
         policy_version=batch.policy_version,
         k=k,
         fresh=fresh,
@@ -254,7 +254,7 @@ async def plan_batch(ctx: Context, pool: Pool, run_name: str, req: s.BatchCreate
         sizes = await ctx.index.sizes(scope)
         experience = run_overrides(run).experience
         phase = run.phase if experience else "on_policy"
-        comp = compose_batch(sum(sizes.values()), rules, phase=phase)  # type: ignore[arg-type]
+        comp = compose_batch(sum(sizes.values()), rules, phase=phase)
         drawn = await _draw_fresh(ctx, session, pool, run, rules, scope)
         fresh = [int(q) for q in drawn[: rules.batch_size - comp.num_replay]]
         rng = make_rng(run.seed, step, "replay")
@@ -427,7 +427,7 @@ def _result(batch_id: str | None, run: Run, solved: float, switched: bool, a: Ap
         batch_id=batch_id,
         run=run.name,
         step=run.step,
-        phase=run.phase,  # type: ignore[arg-type]
+        phase=run.phase,
         switched=switched,
         solved_fraction=solved,
         retired=a.retired,

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from exgrpo_client import schemas as s
 from exgrpo_pool.domain import ExperienceRules
@@ -89,7 +90,7 @@ def run_public(run: Run, pool_name: str) -> s.RunPublic:
         name=run.name,
         pool=pool_name,
         seed=run.seed,
-        phase=run.phase,  # type: ignore[arg-type]
+        phase=run.phase,
         switched_at_step=run.switched_at_step,
         step=run.step,
         policy_version=run.policy_version,
@@ -136,6 +137,7 @@ def trajectory_public(t: Trajectory, run_names: dict[int, str], *, payload: bool
 
 def decode_payload(r: s.Payload, where: str) -> tuple[np.ndarray, np.ndarray] | None:
     """(int32 ids, float32 log-probs) of a rollout, validated; None if it carries no payload."""
+    lps: npt.NDArray[np.floating[Any]]
     try:
         if r.token_ids is not None:
             ids = np.asarray(r.token_ids, dtype=np.int64)

@@ -28,7 +28,7 @@ async def collect_run_stats(
     return s.RunStats(
         run=run.name,
         pool=pool.name,
-        phase=run.phase,  # type: ignore[arg-type]
+        phase=run.phase,
         step=run.step,
         policy_version=run.policy_version,
         buckets=[s.BucketCount(bucket=b, questions=n) for b, n in sorted(hist.items())],

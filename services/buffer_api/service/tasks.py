@@ -28,7 +28,7 @@ def _public(t: Task, run_name: str, q: repo.Question) -> s.TaskPublic:
         num_samples=t.num_samples,
         replayed=t.replayed,
         policy_version=t.policy_version,
-        status=t.status,  # type: ignore[arg-type]
+        status=t.status,
         attempts=t.attempts,
         lease_token=t.lease_token,
         lease_expires_at=t.lease_expires_at,
@@ -124,7 +124,7 @@ async def batch_status(ctx: Context, pool: Pool, batch_id: str) -> s.BatchStatus
         id=batch.id,
         run=run.name,
         step=batch.step,
-        status=batch.status,  # type: ignore[arg-type]
+        status=batch.status,
         num_tasks=sum(counts.values()),
         tasks_completed=counts.get("completed", 0),
         tasks_pending=counts.get("pending", 0),

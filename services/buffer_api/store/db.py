@@ -11,13 +11,14 @@ from alembic import command
 from alembic.config import Config as AlembicConfig
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
+from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
 
-def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:
-    cur = dbapi_conn.cursor()  # type: ignore[attr-defined]
+def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: object) -> None:
+    cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.execute("PRAGMA foreign_keys=ON")

@@ -27,6 +27,8 @@ from sqlalchemy.dialects.postgresql import BYTEA, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from exgrpo_client.schemas import BatchStatus, Phase, TaskStatus
+
 # SQLite only auto-increments an INTEGER PRIMARY KEY; Postgres gets a real BIGINT identity.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 Json = JSON().with_variant(JSONB(), "postgresql")
@@ -91,7 +93,7 @@ class Run(Base):
     pool_id: Mapped[int] = mapped_column(ForeignKey("pool.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(128))
     seed: Mapped[int] = mapped_column(BigInteger, default=0)
-    phase: Mapped[str] = mapped_column(String(16), default="on_policy")
+    phase: Mapped[Phase] = mapped_column(String(16), default="on_policy")
     switched_at_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     step: Mapped[int] = mapped_column(Integer, default=0)
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
@@ -158,8 +160,8 @@ class Batch(Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default="planned")
-    phase: Mapped[str] = mapped_column(String(16))
+    status: Mapped[BatchStatus] = mapped_column(String(16), default="planned")
+    phase: Mapped[Phase] = mapped_column(String(16))
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
     plan: Mapped[dict[str, Any]] = mapped_column(Json)
     result: Mapped[dict[str, Any] | None] = mapped_column(Json, nullable=True)
@@ -181,7 +183,7 @@ class Task(Base):
     num_samples: Mapped[int] = mapped_column(Integer)
     replayed: Mapped[bool] = mapped_column(Boolean, default=False)
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
-    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status: Mapped[TaskStatus] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(256), nullable=True)
     lease_token: Mapped[str | None] = mapped_column(String(64), nullable=True)

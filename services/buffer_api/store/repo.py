@@ -215,7 +215,8 @@ async def bucket_members(session: AsyncSession, scope: int) -> dict[int, list[in
     )
     out: dict[int, list[int]] = {}
     for bucket, qid in await session.execute(stmt):
-        out.setdefault(int(bucket), []).append(int(qid))
+        if bucket is not None:  # the query leaves these out; this tells the type checker
+            out.setdefault(int(bucket), []).append(int(qid))
     return out
 
 
@@ -292,7 +293,7 @@ async def trajectories_of(
     for chunk in _chunks(list(qids)):
         stmt = select(*cols).where(Trajectory.question_id.in_(chunk)).order_by(Trajectory.id)
         for row in await session.execute(stmt):
-            out[row.question_id].append(row)  # type: ignore[arg-type]
+            out[row.question_id].append(row)  # type: ignore[arg-type]  # a Row read like a Trajectory
     return out
 
 

@@ -51,7 +51,8 @@ def load_engine(
             torch.seed()
         else:
             torch.manual_seed(seed)
-        net = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(dev).eval()
+        net = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+        net = net.to(dev).eval()  # type: ignore[arg-type]  # transformers' @wraps(Module.to) types `to` unbound
         return TransformersEngine(net, tokenizer, max_batch_rows=max_batch_rows), tokenizer
     if kind == "vllm":
         from exgrpo_rollout.engines.vllm import VLLMEngine

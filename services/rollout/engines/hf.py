@@ -14,11 +14,12 @@ completions carry empty `logprobs` and no `entropies`.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import (
     GenerationConfig,
+    GenerationMixin,
     LogitsProcessor,
     LogitsProcessorList,
     PreTrainedModel,
@@ -151,7 +152,9 @@ class TransformersEngine:
             eos_token_id=sorted(self.eos_ids) or None,
         )
         dev = self.device
-        seqs = self.model.generate(
+        # a causal LM is a PreTrainedModel and a GenerationMixin; the annotation names the first only
+        generator = cast(GenerationMixin, self.model)
+        seqs = generator.generate(
             input_ids=ids.to(dev),
             attention_mask=mask.to(dev),
             generation_config=config,

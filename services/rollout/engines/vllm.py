@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from exgrpo_rollout.engines.base import Completion, GenerationStats, SamplingConfig
 
@@ -66,7 +66,9 @@ def completion_from_output(out: Any, eos_ids: set[int], decode: Any = None) -> C
     if end is not None:
         ids, logprobs = ids[:end], logprobs[:end]
     reason = out.finish_reason
-    finish = "length" if reason == "length" or (reason is None and end is None) else "stop"
+    finish: Literal["stop", "length"] = (
+        "length" if reason == "length" or (reason is None and end is None) else "stop"
+    )
     if any(not math.isfinite(v) for v in logprobs):
         raise RuntimeError("vLLM returned a non-finite log-prob for a sampled token")
     text = decode(ids) if decode is not None else ""

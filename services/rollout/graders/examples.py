@@ -38,7 +38,7 @@ def misbehaving(response: str, ground_truth: str) -> Grade:
     if "RAISE" in response:
         raise RuntimeError("grader failure requested")
     if "GARBAGE" in response:
-        return object()  # type: ignore[return-value]
+        return object()  # type: ignore[return-value]  # garbage on request, see the docstring
     return exact_match(response, ground_truth)
 
 

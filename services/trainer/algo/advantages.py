@@ -32,9 +32,9 @@ def group_advantages(
         raise ValueError(f"rewards must be a non-empty 1-D sequence, got shape {r.shape}")
     if r.size == 1:
         return r.copy()
-    adv = r - r.mean()
+    adv = r - float(r.mean())
     if use_std:
-        adv = adv / (r.std(ddof=1) + eps)
+        adv /= float(r.std(ddof=1)) + eps
     return adv
 
 
