@@ -290,8 +290,10 @@ class Probe:
         before: tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]],
         after: tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]],
     ) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]:
-        return tuple(  # type: ignore[return-value]
-            {k: a.get(k, 0.0) - b.get(k, 0.0) for k in a} for b, a in zip(before, after, strict=True)
+        (acc0, cpu0), (acc1, cpu1) = before, after
+        return (
+            {k: v - acc0.get(k, 0.0) for k, v in acc1.items()},
+            {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()},
         )
 
 
@@ -508,7 +510,7 @@ def run_once(mode: str, p: Params, model: Path, folder: Path) -> dict[str, Any]:
         try:
             trainer.attach()
             logger = MetricsLogger(trainer.out, cfg.logging, cfg.run.steps, cfg.public_dict())
-            logger.log = probe.wrap("metrics_log", logger.log)  # type: ignore[method-assign]
+            logger.log = probe.wrap("metrics_log", logger.log)  # type: ignore[method-assign]  # timing probe
             steps: list[dict[str, Any]] = []
             total = p.warmup + p.steps + p.trace_steps
             for i in range(total):

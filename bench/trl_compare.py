@@ -122,7 +122,7 @@ def run_trl(p: tb.Params, model_path: Path, prompts: list[Any], folder: Path) ->
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dataset = Dataset.from_list([{"prompt": q["prompt"]} for q in prompts])
     reward = probe.wrap("grading", _parity_reward)
-    reward.__name__ = "parity"  # type: ignore[attr-defined]
+    reward.__name__ = "parity"
 
     steps: list[dict[str, Any]] = []
     state: dict[str, Any] = {}
@@ -156,7 +156,7 @@ def run_trl(p: tb.Params, model_path: Path, prompts: list[Any], folder: Path) ->
         }
         return {"phases": phases, "kinds": kinds, "by_phase": by_phase}
 
-    class Timer(TrainerCallback):  # type: ignore[misc]
+    class Timer(TrainerCallback):
         def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             m = kw["model"]
             m.generate = probe.wrap("engine_generate", m.generate)

@@ -32,7 +32,7 @@ def run_live_server(database_url: str, **settings: object) -> Iterator[LiveServe
     from exgrpo_pool.embedded import serve_in_thread
 
     values: dict[str, object] = {"allow_anonymous": True, "log_level": "WARNING", "port": 0, **settings}
-    with serve_in_thread(Settings(database_url=database_url, **values)) as srv:  # type: ignore[arg-type]
+    with serve_in_thread(Settings(database_url=database_url, **values)) as srv:  # type: ignore[arg-type]  # Settings checks them
         yield LiveServer(url=srv.url, database_url=database_url)
 
 

@@ -283,8 +283,8 @@ def test_worker_loads_a_published_policy_version(
     finally:
         _stop(pair)
     assert worker.stats.policy_reloads == 1 and worker.stats.loaded_version == 1
-    state = worker.engine.model.state_dict()  # type: ignore[attr-defined]
+    state = worker.engine.model.state_dict()  # type: ignore[attr-defined]  # a TransformersEngine
     assert all(torch.equal(state[k], v) for k, v in expected.items())
     loaded = [r for r in caplog.records if r.getMessage() == "policy_loaded"]
-    assert len(loaded) == 1 and loaded[0].fields["version"] == 1  # type: ignore[attr-defined]
+    assert len(loaded) == 1 and loaded[0].fields["version"] == 1
     assert worker.stats.tasks_completed == B

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import asyncpg
 import httpx
@@ -37,11 +37,11 @@ REDIS_URL = os.environ.get("EXGRPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 T = TypeVar("T")
 
 
-def _in_thread(fn: Callable[[], Awaitable[T]]) -> T:
+def _in_thread(fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run a coroutine on a private event loop in a worker thread (fixtures here are synchronous
     and must not disturb the event loop of the test)."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(lambda: asyncio.run(fn())).result()  # type: ignore[arg-type]
+        return pool.submit(lambda: asyncio.run(fn())).result()
 
 
 def _unreachable(what: str, where: str, err: BaseException) -> NoReturn:

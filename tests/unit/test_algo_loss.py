@@ -31,7 +31,7 @@ REQUIRED_METRICS = {
 def _loss(**overrides: object) -> ExGRPOLoss:
     settings: dict[str, object] = {"normalizer": 1.0, "entropy_coeff": 0.0}
     settings.update(overrides)
-    return LossConfig(**settings).build()  # type: ignore[arg-type]
+    return LossConfig(**settings).build()  # type: ignore[arg-type]  # LossConfig checks the values
 
 
 def _scalar(value: float, *, grad: bool = False) -> torch.Tensor:
@@ -66,8 +66,9 @@ def test_tv5_shaped_weight_and_its_gradient(
     )
     loss.backward()
     assert loss.item() == pytest.approx(-f, abs=1e-6)
-    assert -float(lp.grad) == pytest.approx(multiplier, abs=1e-6)  # type: ignore[arg-type]
-    assert -float(lp.grad) == pytest.approx(0.1 * w / (w + 0.1) ** 2, rel=1e-12)  # type: ignore[arg-type]
+    assert lp.grad is not None
+    assert -float(lp.grad) == pytest.approx(multiplier, abs=1e-6)
+    assert -float(lp.grad) == pytest.approx(0.1 * w / (w + 0.1) ** 2, rel=1e-12)
     assert metrics["is/w_mean"] == metrics["is/w_max"] == metrics["is/w_min"] == pytest.approx(w)
     assert metrics["is/fw_mean"] == pytest.approx(f, abs=1e-6)
     assert metrics["tokens/replay"] == 1.0 and metrics["tokens/fresh"] == 0.0
@@ -86,7 +87,8 @@ def test_replay_shaping_is_never_clipped_or_capped() -> None:
         mixed_phase=False,
     )
     loss.backward()
-    assert loss.item() == pytest.approx(-1.0) and torch.isfinite(lp.grad).all()  # type: ignore[arg-type]
+    assert lp.grad is not None
+    assert loss.item() == pytest.approx(-1.0) and torch.isfinite(lp.grad).all()
 
 
 # --------------------------------------------------------------------------- TV6: fresh tokens per phase
@@ -377,9 +379,9 @@ def test_call_refuses_inconsistent_inputs(kwargs: dict[str, object], match: str)
     }
     inputs.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        ExGRPOLoss()(torch.zeros(1, 3), **inputs)  # type: ignore[arg-type]
+        ExGRPOLoss()(torch.zeros(1, 3), **inputs)  # type: ignore[arg-type]  # bad inputs on purpose
     with pytest.raises(ValueError, match=r"\[B, T\]"):
-        ExGRPOLoss()(torch.zeros(3), **inputs)  # type: ignore[arg-type]
+        ExGRPOLoss()(torch.zeros(3), **inputs)  # type: ignore[arg-type]  # bad inputs on purpose
 
 
 def test_kl_coeff_needs_reference_logprobs() -> None:
@@ -410,7 +412,7 @@ def test_kl_coeff_needs_reference_logprobs() -> None:
 )
 def test_config_refuses_bad_values_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
-        LossConfig(**{field: value})  # type: ignore[arg-type]
+        LossConfig(**{field: value})  # type: ignore[arg-type]  # bad values on purpose
 
 
 # --------------------------------------------------------------------------- per-token inputs from logits

@@ -81,7 +81,7 @@ def test_choose_trajectory_refuses_bad_scores(scores: list[float]) -> None:
 
 def test_choose_trajectory_refuses_unknown_mode() -> None:
     with pytest.raises(ValueError, match="mode"):
-        choose_trajectory([1.0], mode="median")  # type: ignore[arg-type]
+        choose_trajectory([1.0], mode="median")  # type: ignore[arg-type]  # an unknown mode on purpose
 
 
 def test_choose_trajectories_picks_within_each_question() -> None:
@@ -133,7 +133,7 @@ def test_random_scores_are_reproducible_and_uniform() -> None:
 )
 def test_score_candidates_names_missing_inputs(metric: str, kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        score_candidates(metric, num_candidates=1, **kwargs)  # type: ignore[arg-type]
+        score_candidates(metric, num_candidates=1, **kwargs)  # type: ignore[arg-type]  # inputs left out on purpose
 
 
 def test_mean_token_entropy_needs_a_token_per_row_and_matching_shapes() -> None:

@@ -182,7 +182,7 @@ def test_bucket_keys_outside_zero_to_k_are_rejected(k: int) -> None:
 
 def test_non_integer_bucket_key_is_rejected() -> None:
     with pytest.raises(ValueError, match="integer"):
-        bucket_probs([2.5], ExperienceRules())  # type: ignore[list-item]
+        bucket_probs([2.5], ExperienceRules())  # type: ignore[list-item]  # a float key on purpose
 
 
 # --------------------------------------------------------------------------- ExperienceRules
@@ -209,7 +209,7 @@ def test_rbound_none_means_k_minus_one() -> None:
 def test_rules_are_immutable() -> None:
     rules = ExperienceRules()
     with pytest.raises(AttributeError):
-        rules.k = 4  # type: ignore[misc]
+        rules.k = 4  # type: ignore[misc]  # frozen: the assignment must fail
 
 
 @pytest.mark.parametrize(
@@ -237,7 +237,7 @@ def test_rules_are_immutable() -> None:
 )
 def test_invalid_rules_raise_naming_the_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        ExperienceRules(**kwargs)  # type: ignore[arg-type]
+        ExperienceRules(**kwargs)  # type: ignore[arg-type]  # bad values on purpose
 
 
 def test_boundary_rules_are_accepted() -> None:

@@ -43,7 +43,7 @@ def test_retry_after_as_a_date_falls_back_to_backoff() -> None:
 @pytest.mark.parametrize("kwargs", [{"retries": -1}, {"backoff": -0.1}], ids=["retries", "backoff"])
 def test_policy_refuses_negative_values(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must be >= 0"):
-        b.RetryPolicy(**kwargs)  # type: ignore[arg-type]
+        b.RetryPolicy(**kwargs)  # type: ignore[arg-type]  # bad values on purpose
 
 
 @pytest.mark.parametrize(
@@ -258,7 +258,7 @@ def test_rollout_without_payload() -> None:
 )
 def test_rollout_refuses_bad_payloads(ids: object, lps: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        rollout(1.0, ids, lps)  # type: ignore[arg-type]
+        rollout(1.0, ids, lps)  # type: ignore[arg-type]  # bad payloads on purpose
 
 
 def _trajectory(**payload: str | None) -> s.TrajectoryPublic:

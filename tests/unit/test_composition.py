@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from exgrpo_pool.domain import (
     Composition,
     ExperienceRules,
+    Phase,
     compose_batch,
     next_phase,
     replay_target,
@@ -78,10 +79,10 @@ def test_replay_target_floors_the_decimal_product() -> None:
     phase=st.sampled_from(["on_policy", "mixed"]),
 )
 def test_composition_always_fills_the_batch(
-    eligible: int, batch_size: int, ratio: float, k: int, phase: str
+    eligible: int, batch_size: int, ratio: float, k: int, phase: Phase
 ) -> None:
     rules = ExperienceRules(k=k)
-    c = compose_batch(eligible, rules, phase=phase, batch_size=batch_size, experience_ratio=ratio)  # type: ignore[arg-type]
+    c = compose_batch(eligible, rules, phase=phase, batch_size=batch_size, experience_ratio=ratio)
     assert c.num_replay + c.num_fresh == batch_size
     assert c.replay_rows + c.fresh_rollouts == c.total_rows == batch_size * k
     assert 0 <= c.num_replay <= min(eligible, batch_size)
@@ -103,7 +104,7 @@ def test_composition_always_fills_the_batch(
 def test_compose_batch_rejects_invalid_arguments(kwargs: dict[str, object], match: str) -> None:
     eligible = kwargs.pop("num_eligible")
     with pytest.raises(ValueError, match=match):
-        compose_batch(eligible, RULES, **kwargs)  # type: ignore[arg-type]
+        compose_batch(eligible, RULES, **kwargs)  # type: ignore[arg-type]  # bad arguments on purpose
 
 
 # --------------------------------------------------------------------------- delayed start
@@ -146,4 +147,4 @@ def test_next_phase_rejects_a_solved_value_outside_zero_one(solved: float) -> No
 
 def test_next_phase_rejects_unknown_phase() -> None:
     with pytest.raises(ValueError, match="phase"):
-        next_phase("warmup", 0.5, RULES)  # type: ignore[arg-type]
+        next_phase("warmup", 0.5, RULES)  # type: ignore[arg-type]  # an unknown phase on purpose

@@ -414,8 +414,8 @@ def test_bad_output_scores_zero(grader_index: int, case: str) -> None:
 def test_non_string_inputs() -> None:
     for name in BUILTIN_GRADERS:
         grader = get_grader(name)
-        assert grader(None, "1") == Grade(0.0, "error:TypeError", None)  # type: ignore[arg-type]
-        assert grader("1", 1) == Grade(0.0, "error:TypeError", None)  # type: ignore[arg-type]
+        assert grader(None, "1") == Grade(0.0, "error:TypeError", None)  # type: ignore[arg-type]  # on purpose
+        assert grader("1", 1) == Grade(0.0, "error:TypeError", None)  # type: ignore[arg-type]  # on purpose
 
 
 # --------------------------------------------------------------------------------------------

@@ -118,9 +118,9 @@ def test_errors_and_edge_cases(pool: GradingPool) -> None:
     with pytest.raises(ValueError):
         pool.grade_many("boxed", [("a", "b")], timeout_s=0)
     bad_items = [None, ("a",), ("\\boxed{1}", "1")]
-    grades = pool.grade_many("boxed", bad_items)  # type: ignore[arg-type]
+    grades = pool.grade_many("boxed", bad_items)  # type: ignore[arg-type]  # malformed items on purpose
     assert [g.reason for g in grades] == ["error:TypeError", "error:TypeError", "correct"]
-    assert pool.grade_many("boxed", [(1, "1")]) == [Grade(0.0, "error:TypeError", None)]  # type: ignore[list-item]
+    assert pool.grade_many("boxed", [(1, "1")]) == [Grade(0.0, "error:TypeError", None)]  # type: ignore[list-item]  # an int response
 
 
 def test_concurrent_callers_are_serialised(pool: GradingPool) -> None:
@@ -157,9 +157,9 @@ def test_constructor_validation() -> None:
     with pytest.raises(ValueError):
         GradingPool(0)
     with pytest.raises(ValueError):
-        GradingPool(1, start_method="fork")  # type: ignore[arg-type]
+        GradingPool(1, start_method="fork")  # type: ignore[arg-type]  # refused on purpose
     with pytest.raises(ValueError):
-        GradingPool(1, overlong="cut")  # type: ignore[arg-type]
+        GradingPool(1, overlong="cut")  # type: ignore[arg-type]  # refused on purpose
 
 
 def test_idle_worker_killed_from_outside_is_replaced(pool: GradingPool) -> None:

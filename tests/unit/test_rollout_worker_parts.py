@@ -150,7 +150,7 @@ def _worker(client: FakeClient, engine: FakeEngine, **overrides: Any) -> Rollout
         "policy_poll_s": 0.0,
         **overrides,
     }
-    return RolloutWorker(WorkerConfig(**settings), engine, TOK, client_factory=lambda: client)  # type: ignore[arg-type,return-value]
+    return RolloutWorker(WorkerConfig(**settings), engine, TOK, client_factory=lambda: client)  # type: ignore[arg-type,return-value]  # fakes
 
 
 # ------------------------------------------------------------------------------------- the loop
@@ -337,8 +337,8 @@ class _FakeLLM:
 @pytest.fixture
 def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> type[_FakeLLM]:
     module = types.ModuleType("vllm")
-    module.LLM = _FakeLLM  # type: ignore[attr-defined]
-    module.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    module.LLM = _FakeLLM  # type: ignore[attr-defined]  # a stand-in vllm module
+    module.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]  # stand-in
     monkeypatch.setitem(sys.modules, "vllm", module)
     _FakeLLM.instances.clear()
     _FakeLLM.refuse_logprobs_mode = False

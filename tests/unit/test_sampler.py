@@ -329,7 +329,7 @@ def test_draw_is_an_immutable_value() -> None:
     d = Draw(bucket=3, index=1, probability=0.5)
     assert d == Draw(3, 1, 0.5)
     with pytest.raises(AttributeError):
-        d.index = 2  # type: ignore[misc]
+        d.index = 2  # type: ignore[misc]  # frozen: the assignment must fail
 
 
 def test_bucket_frequencies_match_n_times_bucket_probability() -> None:
@@ -392,4 +392,4 @@ def test_make_rng_rejects_no_keys_and_unsupported_key_types() -> None:
     with pytest.raises(TypeError, match="int or str"):
         make_rng(True)
     with pytest.raises(TypeError, match="int or str"):
-        make_rng(1.5)  # type: ignore[arg-type]
+        make_rng(1.5)  # type: ignore[arg-type]  # a float seed on purpose

@@ -31,7 +31,7 @@ class FakeClient:
 
 
 def _sender(client: FakeClient, **kw: Any) -> RunMetricsSender:
-    return RunMetricsSender(client, "p", "r", **kw)  # type: ignore[arg-type]
+    return RunMetricsSender(client, "p", "r", **kw)  # type: ignore[arg-type]  # a fake client
 
 
 def test_steps_are_posted_once_each_in_order_from_one_background_thread() -> None:
