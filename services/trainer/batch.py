@@ -15,6 +15,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -24,6 +25,8 @@ from exgrpo_rollout.engines.base import Completion
 from exgrpo_trainer.algo import PlannedQuestion, Response, Row, build_rows, choose_trajectory
 from exgrpo_trainer.config import ExperienceSection
 
+Finish = Literal["stop", "length"]
+"""Why a generated response ended (a replayed row has none)."""
 Scorer = Callable[..., tuple[list[list[float]], list[list[float]]]]
 """`Learner.score(prompts, responses, with_entropy=...)`."""
 
@@ -126,7 +129,7 @@ def grading_items(
 
 def graded_rows(
     batch: StepBatch, samples: Sequence[Sequence[Completion]], rewards: Sequence[float], max_response_len: int
-) -> tuple[list[Row], list[str | None]]:
+) -> tuple[list[Row], list[Finish | None]]:
     """Training rows and one finish reason per row (None for a replayed row), from the rewards in
     `grading_items` order. Generated rows keep the sampler's log-probs when it reported them."""
     it = iter(rewards)
@@ -145,7 +148,7 @@ def graded_rows(
         for q in batch.questions
     ]
     rows = build_rows(questions, generated, k=batch.k, max_response_len=max_response_len)
-    finish: list[str | None] = []
+    finish: list[Finish | None] = []
     for q, cs in zip(questions, samples, strict=True):
         finish.extend(([None] if q.replayed else []) + [c.finish_reason for c in cs])
     return rows, finish
@@ -154,7 +157,7 @@ def graded_rows(
 def commit_groups(
     batch: StepBatch,
     rows: Sequence[Row],
-    finish: Sequence[str | None],
+    finish: Sequence[Finish | None],
     old_logprobs: Sequence[Sequence[float]],
     old_entropy: Sequence[Sequence[float]],
 ) -> list[s.GroupResult]:

@@ -69,9 +69,8 @@ class Checkpointer:
 
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
         msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path))  # in place
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
         extra_file = path / f"extra-rank{dist.rank()}.pt"
         if not extra_file.exists():
             raise ValueError(

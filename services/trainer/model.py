@@ -41,7 +41,7 @@ def load_model(
     if activation_checkpointing:
         for layer in _decoder_layers(model):
             checkpoint_layer(layer)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers types its wrapped to() as taking a model
     bf16 = device.type == "cuda" and dtype in ("auto", "bfloat16")
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -89,12 +89,12 @@ def generation_view(model: torch.nn.Module) -> torch.nn.Module:
         return model
     view = _VIEWS.get(model)
     if view is None:
-        plain = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+        plain: Any = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
         with torch.device("meta"):
-            view = plain(copy.deepcopy(model.config))
-        view.generation_config = model.generation_config
-        view.eval()
-        _VIEWS[model] = view
+            built = plain(copy.deepcopy(model.config))  # the model class of the sharded module
+        built.generation_config = model.generation_config
+        built.eval()
+        _VIEWS[model] = view = built
     return view
 
 
@@ -122,7 +122,7 @@ def checkpoint_layer(layer: torch.nn.Module) -> None:
             return inner(*args, **kwargs)
         return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
-    layer.forward = forward  # type: ignore[method-assign]
+    layer.forward = forward
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -140,7 +140,8 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded weights on CPU, on rank 0 (empty elsewhere). Collective: every rank calls it."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts)
+    state: dict[str, torch.Tensor] = get_model_state_dict(model, options=opts)  # type: ignore[assignment]  # tensors only for a model
+    return state
 
 
 def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
@@ -208,7 +209,7 @@ def response_forward(
     them from the final hidden states, so the logits are [B, R, V] instead of [B, L, V] (with a large
     vocabulary and long prompts, the largest tensor of a step). The gather runs inside the model's
     own forward, so FSDP2 gathers and frees the head's weights (and reduces its gradient) as usual."""
-    head = model.get_output_embeddings()
+    head: torch.nn.Module = model.get_output_embeddings()  # type: ignore[operator]  # nn.Module's __getattr__ types it as a Tensor
 
     def keep_response_positions(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         hidden = args[0]  # [B, L, H]

@@ -65,7 +65,8 @@ class PoolSession:
     # ------------------------------------------------------------------------------ the run
     def attach(self) -> RunState:
         """The run's state on the pool, creating the run with this trainer's rules if missing."""
-        return self._on_main(self._attach)  # type: ignore[no-any-return]
+        state: RunState = self._on_main(self._attach)
+        return state
 
     def _attach(self) -> RunState:
         client, cfg = self._main(), self.run

@@ -10,24 +10,21 @@ value on all of them.
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from exgrpo_client import schemas as s
 from exgrpo_rollout.engines.base import Completion, SamplingConfig
 from exgrpo_rollout.engines.hf import TransformersEngine
-from exgrpo_rollout.graders.pool import GradingPool, grade_one
+from exgrpo_rollout.graders.pool import GradingPool, grade_items
 from exgrpo_trainer import dist
 from exgrpo_trainer.batch import StepBatch
 from exgrpo_trainer.config import RolloutSection
 from exgrpo_trainer.learner import derived_seed, split_even
 from exgrpo_trainer.model import generation_view, unsharded
 from exgrpo_trainer.pool_session import PoolSession
-
-
-class Tokenizer(Protocol):
-    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 class RolloutSource(Protocol):
@@ -44,12 +41,14 @@ class ColocatedRollouts:
 
     remote = False
 
-    def __init__(self, model: torch.nn.Module, tokenizer: object, cfg: RolloutSection, seed: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: RolloutSection, seed: int
+    ) -> None:
         self.model = model
         self.cfg = cfg
         self.seed = seed
         self.engine = TransformersEngine(
-            generation_view(model),  # computes with the weights that `unsharded` gathers
+            cast(PreTrainedModel, generation_view(model)),  # computes with the weights `unsharded` gathers
             tokenizer,
             max_batch_rows=cfg.max_batch_rows,
             synced_gpus=dist.world() > 1,
@@ -86,7 +85,7 @@ class RemoteRollouts:
 
     remote = True
 
-    def __init__(self, session: PoolSession, tokenizer: Tokenizer, cfg: RolloutSection) -> None:
+    def __init__(self, session: PoolSession, tokenizer: PreTrainedTokenizerBase, cfg: RolloutSection) -> None:
         self.session = session
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -126,8 +125,8 @@ class RemoteRollouts:
         return Completion(
             token_ids=ids,
             logprobs=lps,
-            finish_reason=r.finish_reason or "stop",
-            text=self.tokenizer.decode(ids, skip_special_tokens=False),
+            finish_reason="length" if r.finish_reason == "length" else "stop",
+            text=str(self.tokenizer.decode(ids, skip_special_tokens=False)),
         )
 
 
@@ -144,13 +143,7 @@ class Grader:
         return rewards
 
     def _grade(self, items: list[tuple[str, str]]) -> list[float]:
-        if not items:
-            return []
-        name, timeout = self.cfg.grader, self.cfg.grading_timeout_s
-        if self.pool is not None:
-            grades = self.pool.grade_many(name, items, timeout_s=timeout)
-        else:
-            grades = [grade_one(name, r, g, timeout_s=timeout) for r, g in items]
+        grades = grade_items(self.cfg.grader, items, self.cfg.grading_timeout_s, self.pool)
         return [float(g.reward) for g in grades]
 
     def close(self) -> None:

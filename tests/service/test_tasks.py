@@ -225,6 +225,7 @@ async def test_results_long_poll_returns_complete_groups(client: httpx.AsyncClie
     for g in results["groups"]:
         t = by_q[g["question_id"]]
         assert len(g["rollouts"]) == t["num_samples"]
+        assert g["replayed"] is t["replayed"]  # a replayed question's K-1 samples say so
         assert [r["reward"] for r in g["rollouts"]] == [r["reward"] for r in _rollouts(t)]
     status = await _status(client, plan)
     assert status["tasks_completed"] == B and status["result"] is None
@@ -234,13 +235,16 @@ async def test_results_long_poll_returns_complete_groups(client: httpx.AsyncClie
     groups = []
     for g in results["groups"]:
         item = replayed.get(g["question_id"])
-        if item is not None and by_q[g["question_id"]]["replayed"]:
-            g = {
-                "question_id": g["question_id"],
-                "rollouts": [{"reward": 1.0, "replayed": True}, *g["rollouts"]],
-                "replay_trajectory_id": item["candidates"][0]["id"],
-            }
-        groups.append(g)
+        if item is not None and g["replayed"]:
+            groups.append(
+                {
+                    "question_id": g["question_id"],
+                    "rollouts": [{"reward": 1.0, "replayed": True}, *g["rollouts"]],
+                    "replay_trajectory_id": item["candidates"][0]["id"],
+                }
+            )
+        else:
+            groups.append({"question_id": g["question_id"], "rollouts": g["rollouts"]})
     result = ok(await commit_batch(client, plan, {"groups": groups}))
     assert result["collected_groups"] == B and result["step"] == 2
     status = await _status(client, plan)
