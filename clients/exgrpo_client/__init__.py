@@ -38,6 +38,7 @@ from exgrpo_client.schemas import (
     PoolConfig,
     QuestionCreate,
     RolloutResult,
+    RunLease,
     RunOverrides,
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "RateLimited",
     "Readiness",
     "RolloutResult",
+    "RunLease",
     "RunOverrides",
     "ServerError",
     "TransportError",

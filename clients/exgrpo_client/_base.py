@@ -116,6 +116,10 @@ class Call(Generic[T]):
     ok_statuses: frozenset[int] = frozenset()
     """Error statuses that are an answer, not a failure (503 of /readyz)."""
     retry: bool = True
+    run: tuple[str, str] | None = None
+    """(pool, run) of a write on a run: it carries the run's lease header if the client uses one."""
+    batch: tuple[str, str] | None = None
+    """(pool, batch id) of a commit: it carries the lease header of the batch's run."""
 
 
 def seg(value: str | int) -> str:
@@ -262,7 +266,7 @@ def update_run(
     pool: str, run: str, phase: s.Phase | None, overrides: s.RunOverrides | Mapping[str, Any] | None
 ) -> Call[s.RunPublic]:
     body = s.RunUpdate.model_validate(_given(phase=phase, overrides=overrides))
-    return write("PATCH", f"{_runs(pool)}/{seg(run)}", body, _model(s.RunPublic))
+    return write("PATCH", f"{_runs(pool)}/{seg(run)}", body, _model(s.RunPublic), run=(pool, run))
 
 
 def run_stats(pool: str, run: str) -> Call[s.RunStats]:
@@ -271,7 +275,13 @@ def run_stats(pool: str, run: str) -> Call[s.RunStats]:
 
 def add_policy_version(pool: str, run: str, version: int, uri: str, step: int) -> Call[s.PolicyVersionPublic]:
     body = s.PolicyVersionCreate(version=version, uri=uri, step=step)
-    return write("POST", f"{_runs(pool)}/{seg(run)}/policy-versions", body, _model(s.PolicyVersionPublic))
+    return write(
+        "POST",
+        f"{_runs(pool)}/{seg(run)}/policy-versions",
+        body,
+        _model(s.PolicyVersionPublic),
+        run=(pool, run),
+    )
 
 
 def list_policy_versions(pool: str, run: str) -> Call[s.PolicyVersionsPublic]:
@@ -280,7 +290,7 @@ def list_policy_versions(pool: str, run: str) -> Call[s.PolicyVersionsPublic]:
 
 def post_run_metrics(pool: str, run: str, step: int, metrics: Mapping[str, float]) -> Call[s.RunMetricsStep]:
     body = s.RunMetricsCreate(step=step, metrics=dict(metrics))
-    return write("POST", f"{_runs(pool)}/{seg(run)}/metrics", body, _model(s.RunMetricsStep))
+    return write("POST", f"{_runs(pool)}/{seg(run)}/metrics", body, _model(s.RunMetricsStep), run=(pool, run))
 
 
 def run_metrics(pool: str, run: str, after_step: int, limit: int) -> Call[s.RunMetricsPublic]:
@@ -290,7 +300,7 @@ def run_metrics(pool: str, run: str, after_step: int, limit: int) -> Call[s.RunM
 
 def plan_batch(pool: str, run: str, fields: Mapping[str, Any]) -> Call[s.BatchPlan]:
     body = s.BatchCreate.model_validate(_given(**fields))
-    return write("POST", f"{_runs(pool)}/{seg(run)}/batches", body, _model(s.BatchPlan))
+    return write("POST", f"{_runs(pool)}/{seg(run)}/batches", body, _model(s.BatchPlan), run=(pool, run))
 
 
 def ingest(
@@ -299,7 +309,7 @@ def ingest(
     body = s.IngestRequest.model_validate(
         {"groups": list(groups), "policy_version": policy_version, **_given(step=step)}
     )
-    return write("POST", f"{_runs(pool)}/{seg(run)}/ingest", body, _model(s.CommitResult))
+    return write("POST", f"{_runs(pool)}/{seg(run)}/ingest", body, _model(s.CommitResult), run=(pool, run))
 
 
 def select(
@@ -308,6 +318,19 @@ def select(
     body = s.SelectRequest.model_validate({"n": n, "candidates": candidates, **_given(seed=seed)})
     # a read that happens to be a POST: no idempotency key needed, retried like a GET
     return Call("POST", f"{_runs(pool)}/{seg(run)}/select", _model(s.SelectResult), body=_body(body))
+
+
+def acquire_run_lease(pool: str, run: str, holder: str, ttl_s: float, takeover: bool) -> Call[s.RunLease]:
+    body = s.RunLeaseRequest(holder=holder, ttl_s=float(ttl_s), takeover=takeover)
+    return write("PUT", f"{_runs(pool)}/{seg(run)}/lease", body, _model(s.RunLease))
+
+
+def release_run_lease(pool: str, run: str, holder: str) -> Call[None]:
+    return write("DELETE", f"{_runs(pool)}/{seg(run)}/lease", None, _nothing, params={"holder": holder})
+
+
+def _nothing(raw: bytes) -> None:
+    del raw  # a 204 has no body
 
 
 def claim_tasks(
@@ -345,7 +368,9 @@ def commit_batch(
             **({"with_stats": True} if with_stats else {}),
         }
     )
-    return write("POST", f"{_batch(pool, batch_id)}/commit", body, _model(s.CommitResult))
+    return write(
+        "POST", f"{_batch(pool, batch_id)}/commit", body, _model(s.CommitResult), batch=(pool, batch_id)
+    )
 
 
 def batch_results(pool: str, batch_id: str, wait: float) -> Call[s.BatchResults]:
@@ -439,6 +464,10 @@ class BaseClient:
         self.token = token if token is not None else (os.environ.get(ENV_TOKEN) or None)
         self.timeout = timeout
         self.retry_policy = RetryPolicy(retries=retries, backoff=backoff)
+        # run leases in use, by (pool, run) (pool None: the lease did not say), and the run of
+        # each batch this client planned, so a commit carries its run's lease
+        self._leases: dict[tuple[str | None, str], s.RunLease] = {}
+        self._batch_runs: dict[str, tuple[str, str]] = {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self.base_url!r}, token={'***' if self.token else None})"
@@ -448,6 +477,41 @@ class BaseClient:
         if self.token:
             headers["authorization"] = f"Bearer {self.token}"
         return {"base_url": self.base_url, "headers": headers, "timeout": self.timeout}
+
+    # ------------------------------------------------------------------------------ run leases
+    def use_run_lease(self, lease: s.RunLease | None) -> None:
+        """Send `lease`'s `X-Run-Lease` header with every later write of its run (plan, commit,
+        ingest, policy versions, run metrics, run update). A newer lease of the same run replaces
+        it; None forgets every lease of this client."""
+        if lease is None:
+            self._leases.clear()
+            return
+        self._leases[(lease.pool, lease.run)] = lease
+
+    def _forget_lease(self, pool: str, run: str, holder: str) -> None:
+        for key in ((pool, run), (None, run)):
+            held = self._leases.get(key)
+            if held is not None and held.holder == holder:
+                del self._leases[key]
+
+    def _lease_for(self, call: Call[Any]) -> s.RunLease | None:
+        target = call.run
+        if target is None and call.batch is not None:
+            pool, batch_id = call.batch
+            target = self._batch_runs.get(batch_id)
+            if target is None:  # a batch this client did not plan: the pool's only lease, if one
+                in_pool = [lease for (p, _), lease in self._leases.items() if p in (pool, None)]
+                return in_pool[0] if len(in_pool) == 1 else None
+        if target is None:
+            return None
+        return self._leases.get(target) or self._leases.get((None, target[1]))
+
+    def _noted(self, result: T) -> T:
+        if isinstance(result, s.BatchPlan):
+            if len(self._batch_runs) >= 1024:  # only recent batches are committed
+                self._batch_runs.pop(next(iter(self._batch_runs)))
+            self._batch_runs[result.id] = (result.pool, result.run)
+        return result
 
     def _timeout_for(self, call: Call[Any]) -> httpx.Timeout | None:
         if self.timeout is None:
@@ -465,6 +529,9 @@ class BaseClient:
             headers["content-type"] = "application/x-ndjson"
         if call.idempotency_key is not None:
             headers["idempotency-key"] = call.idempotency_key
+        lease = self._lease_for(call)
+        if lease is not None:
+            headers[s.LEASE_HEADER] = lease.header
         return http.build_request(
             call.method,
             call.path,
@@ -494,10 +561,9 @@ class BaseClient:
             isinstance(exc, UPLOAD_RETRY_EXCEPTIONS) if exc is not None else status in UPLOAD_RETRY_STATUSES
         )
 
-    @staticmethod
-    def _finish(call: Call[T], response: httpx.Response) -> T:
+    def _finish(self, call: Call[T], response: httpx.Response) -> T:
         if response.is_success or response.status_code in call.ok_statuses:
-            return call.parse(response.content)
+            return self._noted(call.parse(response.content))
         raise api_error(response)
 
 

@@ -273,6 +273,21 @@ class Client(BaseClient):
         """Draw `n` replay questions without planning a batch (nothing changes)."""
         return self._request(b.select(pool, run, n, seed, candidates))
 
+    # ---------------------------------------------------------------------------- run leases
+    def acquire_run_lease(
+        self, pool: str, run: str, holder: str, *, ttl_s: float = 60.0, takeover: bool = False
+    ) -> s.RunLease:
+        """Take (or renew, for the same holder) the run's writer lease. `Conflict` while another
+        holder's lease lives, unless `takeover`, which fences that holder out. Pass the answer to
+        `use_run_lease` so this client's writes of the run carry it."""
+        return self._request(b.acquire_run_lease(pool, run, holder, ttl_s, takeover))
+
+    def release_run_lease(self, pool: str, run: str, holder: str) -> None:
+        """Give the run's lease up (`Conflict` if `holder` does not hold it); this client stops
+        sending it."""
+        self._request(b.release_run_lease(pool, run, holder))
+        self._forget_lease(pool, run, holder)
+
     # --------------------------------------------------------------------------------- tasks
     def claim_tasks(
         self, pool: str, run: str, worker: str, max_tasks: int = 1, lease_seconds: float = 120
@@ -586,6 +601,21 @@ class AsyncClient(BaseClient):
         self, pool: str, run: str, n: int, seed: int | None = None, candidates: s.CandidateMode = "all"
     ) -> s.SelectResult:
         return await self._request(b.select(pool, run, n, seed, candidates))
+
+    # ---------------------------------------------------------------------------- run leases
+    async def acquire_run_lease(
+        self, pool: str, run: str, holder: str, *, ttl_s: float = 60.0, takeover: bool = False
+    ) -> s.RunLease:
+        """Take (or renew, for the same holder) the run's writer lease. `Conflict` while another
+        holder's lease lives, unless `takeover`, which fences that holder out. Pass the answer to
+        `use_run_lease` so this client's writes of the run carry it."""
+        return await self._request(b.acquire_run_lease(pool, run, holder, ttl_s, takeover))
+
+    async def release_run_lease(self, pool: str, run: str, holder: str) -> None:
+        """Give the run's lease up (`Conflict` if `holder` does not hold it); this client stops
+        sending it."""
+        await self._request(b.release_run_lease(pool, run, holder))
+        self._forget_lease(pool, run, holder)
 
     # --------------------------------------------------------------------------------- tasks
     async def claim_tasks(

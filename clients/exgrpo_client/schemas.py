@@ -265,6 +265,33 @@ class RunsPublic(Strict):
     count: int
 
 
+#: Header of every write on a run whose writer holds a lease: `<holder>:<generation>`.
+LEASE_HEADER = "X-Run-Lease"
+
+
+class RunLeaseRequest(Strict):
+    """Ask for the writer lease of a run (`PUT .../runs/{run}/lease`)."""
+
+    holder: str = Field(min_length=1, max_length=200, description="Who writes (a trainer's id).")
+    ttl_s: FiniteFloat = Field(60.0, ge=1, le=3600, description="Seconds the lease lives unless renewed.")
+    takeover: bool = Field(False, description="Fence out a live holder (its generation becomes stale).")
+
+
+class RunLease(Strict):
+    """The writer lease of a run. Writes carry `X-Run-Lease: <holder>:<generation>`."""
+
+    run: str
+    holder: str
+    generation: int
+    expires_at: datetime
+    pool: str | None = None
+
+    @property
+    def header(self) -> str:
+        """The value of the `X-Run-Lease` header of this lease's writes."""
+        return f"{self.holder}:{self.generation}"
+
+
 class PolicyVersionCreate(Strict):
     version: Int32
     uri: str = Field(min_length=1, max_length=4096)

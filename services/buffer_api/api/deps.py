@@ -9,12 +9,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, Path, Request
+from fastapi import Depends, Header, Path, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from exgrpo_pool.errors import BadRequest, Forbidden, Unauthorized
 from exgrpo_pool.service.context import Context
+from exgrpo_pool.service.leases import LeaseClaim, parse_lease_header
 from exgrpo_pool.service.pools import load_pool
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import IdempotencyKey, Pool, utcnow
@@ -95,6 +96,19 @@ async def writable_pool(pool: str, ctx: ContextDep, principal: PrincipalDep) -> 
 
 ReadPool = Annotated[Pool, Depends(readable_pool)]
 WritePool = Annotated[Pool, Depends(writable_pool)]
+
+
+def run_lease_claim(
+    x_run_lease: Annotated[
+        str | None,
+        Header(description="`<holder>:<generation>` of the run's writer lease (PUT .../lease)."),
+    ] = None,
+) -> LeaseClaim | None:
+    return parse_lease_header(x_run_lease)
+
+
+#: The writer lease a run write claims (None: no `X-Run-Lease` header).
+RunLeaseDep = Annotated[LeaseClaim | None, Depends(run_lease_claim)]
 
 
 # --------------------------------------------------------------------------- idempotent writes

@@ -34,6 +34,8 @@ from exgrpo_pool.service.convert import (
     trajectory_public,
 )
 from exgrpo_pool.service.experience import Applied, apply_groups
+from exgrpo_pool.service.leases import LeaseClaim, check_fence, run_for_write
+from exgrpo_pool.service.leases import require_run as _get_run
 from exgrpo_pool.service.stats import collect_run_stats
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import Batch, Pool, Run, Trajectory, utcnow
@@ -222,20 +224,12 @@ async def _plan_public(session: AsyncSession, pool: Pool, run: Run, batch: Batch
     )
 
 
-async def _get_run(session: AsyncSession, pool: Pool, name: str, *, lock: bool = False) -> Run:
-    run = await repo.get_run(session, pool.id, name, lock=lock)
-    if run is None:
-        raise NotFound(
-            f"run {name!r} does not exist in pool {pool.name!r}; create it with POST "
-            f"/v1/pools/{pool.name}/runs"
-        )
-    return run
-
-
 # ------------------------------------------------------------------------------------ plan
-async def plan_batch(ctx: Context, pool: Pool, run_name: str, req: s.BatchCreate) -> s.BatchPlan:
+async def plan_batch(
+    ctx: Context, pool: Pool, run_name: str, req: s.BatchCreate, lease: LeaseClaim | None = None
+) -> s.BatchPlan:
     async with ctx.db.write() as session:
-        run = await _get_run(session, pool, run_name, lock=True)
+        run = await run_for_write(session, pool, run_name, lease)
         step = run.step + 1
         existing = await repo.open_batch(session, run.id, step)
         if existing is not None and not req.replan:
@@ -359,9 +353,12 @@ def _check_against_plan(batch: Batch, groups: list[s.GroupResult]) -> None:
     )
 
 
-async def commit_batch(ctx: Context, pool: Pool, batch_id: str, req: s.BatchCommit) -> s.CommitResult:
+async def commit_batch(
+    ctx: Context, pool: Pool, batch_id: str, req: s.BatchCommit, lease: LeaseClaim | None = None
+) -> s.CommitResult:
     async with ctx.db.write() as session:
         batch, run = await _batch_and_run(session, pool, batch_id, lock=True)
+        await check_fence(session, run, lease)
         if batch.status == "committed":
             assert batch.result is not None
             return s.CommitResult.model_validate(batch.result, strict=False)
@@ -446,12 +443,14 @@ def _count(ctx: Context, pool: Pool, a: Applied) -> None:
 
 
 # ---------------------------------------------------------------------------------- ingest
-async def ingest(ctx: Context, pool: Pool, run_name: str, req: s.IngestRequest) -> s.CommitResult:
+async def ingest(
+    ctx: Context, pool: Pool, run_name: str, req: s.IngestRequest, lease: LeaseClaim | None = None
+) -> s.CommitResult:
     """Graded groups from a producer outside the trainer: the collection rules apply whatever the
     run's phase (the delayed start only gates the trainer's own batches)."""
     qids = sorted({g.question_id for g in req.groups})
     async with ctx.db.write() as session:
-        run = await _get_run(session, pool, run_name, lock=True)
+        run = await run_for_write(session, pool, run_name, lease)
         found = await repo.get_questions(session, qids)
         missing = [q for q in qids if q not in found or found[q].pool_id != pool.id]
         if missing:

@@ -17,6 +17,7 @@ from exgrpo_pool.service.convert import (
     scope_of,
     trajectory_public,
 )
+from exgrpo_pool.service.leases import LeaseClaim, run_for_write
 from exgrpo_pool.service.stats import collect_run_stats
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import POOLED_SCOPE, PolicyVersion, Pool, Run, utcnow
@@ -173,9 +174,11 @@ async def show_run(ctx: Context, pool: Pool, name: str) -> s.RunPublic:
         return run_public(await _get_run(session, pool, name), pool.name)
 
 
-async def update_run(ctx: Context, pool: Pool, name: str, req: s.RunUpdate) -> s.RunPublic:
+async def update_run(
+    ctx: Context, pool: Pool, name: str, req: s.RunUpdate, lease: LeaseClaim | None = None
+) -> s.RunPublic:
     async with ctx.db.write() as session:
-        run = await _get_run(session, pool, name, lock=True)
+        run = await run_for_write(session, pool, name, lease)
         if req.phase is not None and req.phase != run.phase:
             run.phase = req.phase
             run.switched_at_step = run.step if req.phase == "mixed" else None
@@ -186,10 +189,10 @@ async def update_run(ctx: Context, pool: Pool, name: str, req: s.RunUpdate) -> s
 
 
 async def add_policy_version(
-    ctx: Context, pool: Pool, name: str, req: s.PolicyVersionCreate
+    ctx: Context, pool: Pool, name: str, req: s.PolicyVersionCreate, lease: LeaseClaim | None = None
 ) -> s.PolicyVersionPublic:
     async with ctx.db.write() as session:
-        run = await _get_run(session, pool, name, lock=True)
+        run = await run_for_write(session, pool, name, lease)
         existing = await repo.get_policy_version(session, run.id, req.version)
         if existing is not None:
             if existing.uri != req.uri:
@@ -216,9 +219,11 @@ async def list_policy_versions(ctx: Context, pool: Pool, name: str) -> s.PolicyV
 
 
 # ------------------------------------------------------------------------------- run metrics
-async def post_run_metrics(ctx: Context, pool: Pool, name: str, req: s.RunMetricsCreate) -> s.RunMetricsStep:
+async def post_run_metrics(
+    ctx: Context, pool: Pool, name: str, req: s.RunMetricsCreate, lease: LeaseClaim | None = None
+) -> s.RunMetricsStep:
     async with ctx.db.write() as session:
-        run = await _get_run(session, pool, name, lock=True)
+        run = await run_for_write(session, pool, name, lease)
         await repo.merge_run_metrics(session, run.id, req.step, req.metrics)
         rows = await repo.run_metrics(session, run.id, req.step - 1, 1)
     return s.RunMetricsStep(step=rows[0].step, metrics=rows[0].metrics, updated_at=rows[0].updated_at)

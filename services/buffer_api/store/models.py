@@ -104,6 +104,19 @@ class Run(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+class RunLease(Base):
+    """The writer lease of a run: who may write (holder) and its fencing generation. The row
+    outlives a release or an expiry so the next holder gets the next generation."""
+
+    __tablename__ = "run_lease"
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))
+    generation: Mapped[int] = mapped_column(Integer)
+    ttl_s: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    acquired_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 class RunEpoch(Base):
     """The shuffled fresh-question order of a run's current epoch (packed int64 ids)."""
 

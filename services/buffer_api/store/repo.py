@@ -20,6 +20,7 @@ from exgrpo_pool.store.models import (
     Question,
     Run,
     RunEpoch,
+    RunLease,
     RunMetric,
     RunQuestion,
     Task,
@@ -160,6 +161,11 @@ async def run_names(session: AsyncSession, run_ids: Iterable[int]) -> dict[int, 
     if not ids:
         return {}
     return dict((await session.execute(select(Run.id, Run.name).where(Run.id.in_(ids)))).all())
+
+
+async def get_lease(session: AsyncSession, run_id: int) -> RunLease | None:
+    """The run's lease row (callers hold the run's row lock)."""
+    return await session.get(RunLease, run_id, populate_existing=True)
 
 
 async def get_epoch(session: AsyncSession, run_id: int, epoch: int) -> np.ndarray | None:

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, RowId, WritePool
+from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, RowId, RunLeaseDep, WritePool
 from exgrpo_pool.service import batches, tasks
 
 router = APIRouter(prefix="/v1/pools/{pool}", tags=["batches"])
@@ -25,9 +25,14 @@ async def batch_status(batch_id: str, pool: ReadPool, ctx: ContextDep) -> s.Batc
 
 @router.post("/batches/{batch_id}/commit", response_model=s.CommitResult)
 async def commit_batch(
-    batch_id: str, body: s.BatchCommit, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+    batch_id: str,
+    body: s.BatchCommit,
+    pool: WritePool,
+    ctx: ContextDep,
+    idem: IdempotencyDep,
+    lease: RunLeaseDep,
 ) -> object:
-    return await idem.run(lambda: batches.commit_batch(ctx, pool, batch_id, body))
+    return await idem.run(lambda: batches.commit_batch(ctx, pool, batch_id, body, lease))
 
 
 @router.get("/batches/{batch_id}/results", response_model=s.BatchResults)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, WritePool
-from exgrpo_pool.service import batches, tasks
+from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, RunLeaseDep, WritePool
+from exgrpo_pool.service import batches, leases, tasks
 from exgrpo_pool.service import pools as svc
 
 router = APIRouter(prefix="/v1/pools/{pool}/runs", tags=["runs"])
@@ -31,9 +31,24 @@ async def show_run(run: str, pool: ReadPool, ctx: ContextDep) -> s.RunPublic:
 
 @router.patch("/{run}", response_model=s.RunPublic)
 async def update_run(
-    run: str, body: s.RunUpdate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+    run: str, body: s.RunUpdate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep, lease: RunLeaseDep
 ) -> object:
-    return await idem.run(lambda: svc.update_run(ctx, pool, run, body))
+    return await idem.run(lambda: svc.update_run(ctx, pool, run, body, lease))
+
+
+@router.put("/{run}/lease", response_model=s.RunLease)
+async def acquire_lease(run: str, body: s.RunLeaseRequest, pool: WritePool, ctx: ContextDep) -> s.RunLease:
+    """Take, renew or take over the run's writer lease (409 while another holder's lease lives)."""
+    return await leases.acquire(ctx, pool, run, body)
+
+
+@router.delete("/{run}/lease", status_code=204, response_class=Response)
+async def release_lease(
+    run: str, holder: Annotated[str, Query(min_length=1, max_length=200)], pool: WritePool, ctx: ContextDep
+) -> Response:
+    """Give the lease up (409 if `holder` does not hold it); the next holder gets the next generation."""
+    await leases.release(ctx, pool, run, holder)
+    return Response(status_code=204)
 
 
 @router.get("/{run}/stats", response_model=s.RunStats)
@@ -43,9 +58,14 @@ async def run_stats(run: str, pool: ReadPool, ctx: ContextDep) -> s.RunStats:
 
 @router.post("/{run}/metrics", response_model=s.RunMetricsStep)
 async def post_run_metrics(
-    run: str, body: s.RunMetricsCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+    run: str,
+    body: s.RunMetricsCreate,
+    pool: WritePool,
+    ctx: ContextDep,
+    idem: IdempotencyDep,
+    lease: RunLeaseDep,
 ) -> object:
-    return await idem.run(lambda: svc.post_run_metrics(ctx, pool, run, body))
+    return await idem.run(lambda: svc.post_run_metrics(ctx, pool, run, body, lease))
 
 
 @router.get("/{run}/metrics", response_model=s.RunMetricsPublic)
@@ -61,9 +81,14 @@ async def list_run_metrics(
 
 @router.post("/{run}/policy-versions", response_model=s.PolicyVersionPublic, status_code=201)
 async def add_policy_version(
-    run: str, body: s.PolicyVersionCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+    run: str,
+    body: s.PolicyVersionCreate,
+    pool: WritePool,
+    ctx: ContextDep,
+    idem: IdempotencyDep,
+    lease: RunLeaseDep,
 ) -> object:
-    return await idem.run(lambda: svc.add_policy_version(ctx, pool, run, body), status_code=201)
+    return await idem.run(lambda: svc.add_policy_version(ctx, pool, run, body, lease), status_code=201)
 
 
 @router.get("/{run}/policy-versions", response_model=s.PolicyVersionsPublic)
@@ -73,10 +98,10 @@ async def list_policy_versions(run: str, pool: ReadPool, ctx: ContextDep) -> s.P
 
 @router.post("/{run}/batches", response_model=s.BatchPlan, status_code=201)
 async def plan_batch(
-    run: str, body: s.BatchCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+    run: str, body: s.BatchCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep, lease: RunLeaseDep
 ) -> object:
     return await idem.run(
-        lambda: batches.plan_batch(ctx, pool, run, body),
+        lambda: batches.plan_batch(ctx, pool, run, body, lease),
         status_code=201,
         reference=lambda plan: {"batch_id": plan.id},
         resolve=lambda ref: batches.get_batch_plan(ctx, pool, ref["batch_id"]),
@@ -85,9 +110,14 @@ async def plan_batch(
 
 @router.post("/{run}/ingest", response_model=s.CommitResult)
 async def ingest(
-    run: str, body: s.IngestRequest, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+    run: str,
+    body: s.IngestRequest,
+    pool: WritePool,
+    ctx: ContextDep,
+    idem: IdempotencyDep,
+    lease: RunLeaseDep,
 ) -> object:
-    return await idem.run(lambda: batches.ingest(ctx, pool, run, body))
+    return await idem.run(lambda: batches.ingest(ctx, pool, run, body, lease))
 
 
 @router.post("/{run}/select", response_model=s.SelectResult)

@@ -1,0 +1,164 @@
+"""Run ownership: the writer lease of a run and the fencing of every write on it.
+
+A run has at most one writer at a time. A writer (a trainer) takes the run's lease with a holder id
+and gets a generation; each later write carries `X-Run-Lease: <holder>:<generation>`. Fencing is
+checked under the run's row lock, in the write's own transaction, so a holder that was taken over
+cannot slip a write in after the take-over:
+
+* live lease: only the holder's current generation writes (and the write extends the lease);
+* no live lease (never taken, released or expired): writes without the header are accepted
+  (clients that do not use leases), the last holder's own header as well, any other header is stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from exgrpo_client import schemas as s
+from exgrpo_pool.errors import BadRequest, Conflict, NotFound
+from exgrpo_pool.service.context import Context
+from exgrpo_pool.store import repo
+from exgrpo_pool.store.models import Pool, Run, RunLease, utcnow
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseClaim:
+    """What a write's `X-Run-Lease` header claims."""
+
+    holder: str
+    generation: int
+
+    def __str__(self) -> str:
+        return f"{self.holder}:{self.generation}"
+
+
+def parse_lease_header(value: str | None) -> LeaseClaim | None:
+    if value is None:
+        return None
+    holder, sep, gen = value.strip().rpartition(":")
+    if not sep or not holder or len(holder) > 200 or not gen.isdigit() or int(gen) < 1:
+        raise BadRequest(
+            f"{s.LEASE_HEADER} must be '<holder>:<generation>' as answered by PUT .../runs/<run>/lease "
+            f"(holder 1-200 characters, generation a positive integer), got {value[:250]!r}"
+        )
+    return LeaseClaim(holder, int(gen))
+
+
+async def require_run(session: AsyncSession, pool: Pool, name: str, *, lock: bool = False) -> Run:
+    run = await repo.get_run(session, pool.id, name, lock=lock)
+    if run is None:
+        raise NotFound(
+            f"run {name!r} does not exist in pool {pool.name!r}; create it with POST "
+            f"/v1/pools/{pool.name}/runs"
+        )
+    return run
+
+
+def _live(lease: RunLease | None, now: datetime) -> bool:
+    return lease is not None and lease.expires_at > now
+
+
+def _held_by(run: Run, lease: RunLease, now: datetime) -> str:
+    left = (lease.expires_at - now).total_seconds()
+    return (
+        f"run {run.name!r} is held by {lease.holder!r} (lease generation {lease.generation}, "
+        f"expires at {lease.expires_at.isoformat()}, in {left:.0f} s)"
+    )
+
+
+_HOW = (
+    "wait for the lease to expire (resume) or take it over (PUT .../runs/{run}/lease with "
+    "takeover=true), which fences out the current holder"
+)
+
+
+async def check_fence(session: AsyncSession, run: Run, claim: LeaseClaim | None) -> None:
+    """Refuse a write on `run` that its lease does not allow. The caller holds the run's row lock."""
+    lease = await repo.get_lease(session, run.id)
+    now = utcnow()
+    how = _HOW.format(run=run.name)
+    if claim is None:
+        if lease is not None and _live(lease, now):
+            raise Conflict(
+                f"{_held_by(run, lease, now)}; this write carries no {s.LEASE_HEADER} header. Send the "
+                f"holder's header, {how}"
+            )
+        return
+    if lease is None:
+        raise Conflict(
+            f"{s.LEASE_HEADER} {claim} names a lease run {run.name!r} never had; take the lease with "
+            f"PUT .../runs/{run.name}/lease first"
+        )
+    if (claim.holder, claim.generation) == (lease.holder, lease.generation):
+        if _live(lease, now):
+            lease.expires_at = now + timedelta(seconds=lease.ttl_s)
+        return
+    if _live(lease, now):
+        raise Conflict(f"lease {claim} is fenced out: {_held_by(run, lease, now)}; {how}")
+    raise Conflict(
+        f"lease {claim} is stale: run {run.name!r} was since leased to {lease.holder!r} with generation "
+        f"{lease.generation} (no longer live); take the lease again with PUT .../runs/{run.name}/lease"
+    )
+
+
+async def run_for_write(session: AsyncSession, pool: Pool, name: str, claim: LeaseClaim | None) -> Run:
+    """The run, row-locked for the caller's transaction, once its lease allows this write."""
+    run = await require_run(session, pool, name, lock=True)
+    await check_fence(session, run, claim)
+    return run
+
+
+def _public(lease: RunLease, run: Run, pool: Pool) -> s.RunLease:
+    return s.RunLease(
+        run=run.name,
+        holder=lease.holder,
+        generation=lease.generation,
+        expires_at=lease.expires_at,
+        pool=pool.name,
+    )
+
+
+async def acquire(ctx: Context, pool: Pool, run_name: str, req: s.RunLeaseRequest) -> s.RunLease:
+    async with ctx.db.write() as session:
+        run = await require_run(session, pool, run_name, lock=True)
+        lease = await repo.get_lease(session, run.id)
+        now = utcnow()
+        expires = now + timedelta(seconds=req.ttl_s)
+        if lease is None:
+            lease = RunLease(
+                run_id=run.id,
+                holder=req.holder,
+                generation=1,
+                ttl_s=req.ttl_s,
+                expires_at=expires,
+                acquired_at=now,
+            )
+            session.add(lease)
+        elif _live(lease, now) and lease.holder == req.holder and not req.takeover:
+            lease.expires_at, lease.ttl_s = expires, req.ttl_s  # renewal
+        elif _live(lease, now) and not req.takeover:
+            raise Conflict(
+                f"{_held_by(run, lease, now)}; {req.holder!r} cannot take it: {_HOW.format(run=run.name)}"
+            )
+        else:  # free (released or expired), or a take-over
+            lease.holder, lease.generation, lease.ttl_s = req.holder, lease.generation + 1, req.ttl_s
+            lease.expires_at, lease.acquired_at = expires, now
+        return _public(lease, run, pool)
+
+
+async def release(ctx: Context, pool: Pool, run_name: str, holder: str) -> None:
+    async with ctx.db.write() as session:
+        run = await require_run(session, pool, run_name, lock=True)
+        lease = await repo.get_lease(session, run.id)
+        if lease is None or lease.holder != holder:
+            who = "nobody" if lease is None else repr(lease.holder)
+            raise Conflict(
+                f"{holder!r} does not hold run {run.name!r} (its lease was last held by {who}); "
+                "only the holder releases a lease"
+            )
+        now = utcnow()
+        if lease.expires_at > now:
+            lease.expires_at = now
