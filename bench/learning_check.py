@@ -99,7 +99,7 @@ def main() -> None:
         t = time.perf_counter()
         run_training(cfg, client=client)
         timings["train"] = time.perf_counter() - t
-    final = run_dir / "published" / f"v{cfg.run.steps:06d}"
+    final = run_dir / "published" / cfg.run.pool / cfg.run.name / f"v{cfg.run.steps:06d}"
     t = time.perf_counter()
     after = accuracy(final, seed=1)
     timings["eval_after"] = time.perf_counter() - t

@@ -1,13 +1,17 @@
 """Resumable checkpoints with torch.distributed.checkpoint: model, optimizer, RNG, step.
 
-Layout: `<dir>/step-000123/` holds the DCP shards plus `extra-rank<r>.pt` (RNG states and
-counters of each rank); `<dir>/latest` names the newest complete one.
+Layout: one folder per run, `<output_dir>/checkpoints/<pool>/<run>/`. In it `step-000123/` holds
+the DCP shards plus `extra-rank<r>.pt` (RNG states and counters of each rank), `latest` names the
+newest complete one, and `run.json` says which run the folder belongs to (pool, run name and the
+run's creation time on the service): a trainer of any other run refuses to resume from it.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +42,53 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class CheckpointOwnerError(ValueError):
+    """A checkpoint folder that belongs to another run than the one being trained."""
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """Which run a checkpoint folder belongs to: a run of the same name created anew (on another
+    service, or after the old one was deleted) is another run."""
+
+    pool: str
+    run: str
+    created_at: str
+    """The run's creation time on the pool service (ISO 8601)."""
+
+    def describe(self) -> str:
+        return f"run {self.run} of pool {self.pool} (created {self.created_at})"
+
+
 class Checkpointer:
+    IDENTITY = "run.json"
+
     def __init__(self, root: Path, keep: int) -> None:
         self.root = root
         self.keep = keep
+
+    def claim(self, identity: RunIdentity) -> None:
+        """Make sure the folder is this run's (its `run.json` names it, or it has none yet, which
+        is then written). Raises `CheckpointOwnerError`, naming both runs, for another run's
+        folder. Called on every rank; rank 0 writes."""
+        path = self.root / self.IDENTITY
+        if path.exists():
+            try:
+                owner = RunIdentity(**json.loads(path.read_text()))
+            except (ValueError, TypeError) as e:
+                raise CheckpointOwnerError(f"{path} is not a run identity file ({e})") from None
+            if owner != identity:
+                raise CheckpointOwnerError(
+                    f"the checkpoint folder {self.root} belongs to {owner.describe()}, not to "
+                    f"{identity.describe()} that this trainer attached to; it is not resumed. Give "
+                    f"this run its own run.output_dir, or delete {path} to resume it on purpose"
+                )
+        elif dist.is_main():
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(asdict(identity), indent=2) + "\n")
+            tmp.replace(path)
+        dist.barrier()
 
     def latest(self) -> Path | None:
         marker = self.root / "latest"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from exgrpo_client import Client
@@ -28,6 +29,8 @@ class RunState:
     """Steps the pool has committed for the run."""
     policy_version: int
     """The run's latest published policy version."""
+    created_at: datetime
+    """When the service created the run (with the names, it tells runs of the same name apart)."""
 
 
 class PoolSession:
@@ -85,7 +88,7 @@ class PoolSession:
                     run.overrides,
                     self.rules,
                 )
-        return RunState(step=run.step, policy_version=run.policy_version)
+        return RunState(step=run.step, policy_version=run.policy_version, created_at=run.created_at)
 
     def plan(self, *, create_tasks: bool) -> s.BatchPlan:
         """The next batch (every replayed question with all its candidates, for rescoring); then the

@@ -27,7 +27,7 @@ from exgrpo_rollout.engines.hf import TransformersEngine
 from exgrpo_rollout.prompts import render_prompt
 from exgrpo_trainer import dist
 from exgrpo_trainer.batch import choose_replays, commit_groups, graded_rows, grading_items, prepare_batch
-from exgrpo_trainer.checkpoint import Checkpointer
+from exgrpo_trainer.checkpoint import Checkpointer, RunIdentity
 from exgrpo_trainer.config import TrainConfig
 from exgrpo_trainer.learner import Learner, derived_seed
 from exgrpo_trainer.model import load_tokenizer, save_hf, unsharded
@@ -70,7 +70,12 @@ class Trainer:
             else ColocatedRollouts(self.learner.model, self.tokenizer, cfg.rollout, cfg.run.seed)
         )
         self.grader = Grader(cfg.rollout)
-        self.checkpointer = Checkpointer(self.out / "checkpoints", cfg.schedule.keep_checkpoints)
+        self.run_key = Path(cfg.run.pool, cfg.run.name)
+        """Checkpoints and published weights are kept per pool and run under the output folder,
+        which several runs may share (compose and k8s fix it at /data/run)."""
+        self.checkpointer = Checkpointer(
+            self.out / "checkpoints" / self.run_key, cfg.schedule.keep_checkpoints
+        )
         self.step = 0
         self.policy_version = 0
         self.logger: MetricsLogger | None = None
@@ -108,6 +113,8 @@ class Trainer:
         """Attach to the run on the pool (created if missing) and resume from the latest checkpoint."""
         state = self.session.attach()
         self.step, self.policy_version = state.step, state.policy_version
+        run = self.cfg.run
+        self.checkpointer.claim(RunIdentity(run.pool, run.name, state.created_at.isoformat()))
         self._resume()
 
     def train_step(self) -> dict[str, float]:
@@ -181,7 +188,7 @@ class Trainer:
     def publish(self) -> Path:
         """Write the current weights as a Hugging Face folder and register the policy version."""
         version = self.step
-        path = self.out / "published" / f"v{version:06d}"
+        path = self.out / "published" / self.run_key / f"v{version:06d}"
         save_hf(self.learner.model, self.tokenizer, path)
         self.session.publish(version, path.resolve().as_uri(), self.step)
         self.policy_version = version
@@ -194,13 +201,18 @@ class Trainer:
     def _resume(self) -> None:
         path = self.checkpointer.latest()
         if path is None:
-            if self.step > 0:
+            if self.step > 0 and dist.is_main():
+                flat = self.out / "checkpoints" / "latest"
                 log.warning(
                     "run %s is at step %d on the service but there is no checkpoint in %s: "
-                    "continuing from the initial weights",
+                    "continuing from the initial weights%s",
                     self.cfg.run.name,
                     self.step,
-                    self.out,
+                    self.checkpointer.root,
+                    f" (checkpoints in the older layout, {flat.parent}/step-*, are not resumed: "
+                    "move them into that folder if they are this run's)"
+                    if flat.exists()
+                    else "",
                 )
             return
         extra = self.checkpointer.load(self.learner.model, self.learner.optimizer, path)

@@ -66,5 +66,5 @@ def test_train_two_ranks_under_torchrun(
         versions = client.list_policy_versions(pool_name, "exgrpo-1")
     assert run.step == 3 and run.phase == "mixed"
     assert [v.version for v in versions.data] == [2, 3]
-    last = out / "checkpoints" / "step-000003"
+    last = out / "checkpoints" / pool_name / "exgrpo-1" / "step-000003"
     assert (last / "extra-rank0.pt").is_file() and (last / "extra-rank1.pt").is_file()

@@ -98,12 +98,12 @@ def test_exgrpo_run_switches_to_mixed_and_replays(
     assert [v.version for v in versions.data] == [3, 4]
     assert run.policy_version == 4
     for v in versions.data:
-        folder = out / "published" / f"v{v.version:06d}"
+        folder = out / "published" / pool_name / "run-1" / f"v{v.version:06d}"
         assert v.uri == folder.resolve().as_uri()
         assert (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
         assert load_file(str(folder / "model.safetensors"))
     # checkpoints every 2 steps, the last two kept
-    ckpt = out / "checkpoints"
+    ckpt = out / "checkpoints" / pool_name / "run-1"
     assert (ckpt / "latest").read_text().strip() == "step-000004"
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-000002", "step-000004"]
     assert (ckpt / "step-000004" / "extra-rank0.pt").is_file()
@@ -142,7 +142,7 @@ def test_grpo_never_replays_and_stays_on_policy(
     assert all(m["tokens/replay"] == 0.0 and "is/w_mean" not in m for m in metrics)
     assert stats.trajectories == 0
     assert versions.count == 0 and not (out / "published").exists()
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000003"
+    assert (out / "checkpoints" / pool_name / "grpo" / "latest").read_text().strip() == "step-000003"
 
 
 def test_late_metrics_reach_the_service_once_each_in_step_order(

@@ -87,7 +87,7 @@ def test_resume_continues_exactly(
         assert run.step == last and run.phase == "mixed"
         outs[name] = out
 
-    ckpts = outs["resumed"] / "checkpoints"
+    ckpts = outs["resumed"] / "checkpoints" / "resume" / "run-1"
     assert sorted(p.name for p in ckpts.glob("step-*")) == [f"step-{first:06d}", f"step-{last:06d}"]
     for rank in range(nproc):  # every rank restores its own RNG state
         assert (ckpts / f"step-{first:06d}" / f"extra-rank{rank}.pt").is_file()
@@ -98,7 +98,7 @@ def test_resume_continues_exactly(
     assert any(m["batch/replayed_questions"] > 0 for m in a[first:]), "resumed steps replay"
     assert_same_metrics(a, b, COMPARED)
 
-    published = f"published/v{last:06d}"
+    published = f"published/resume/run-1/v{last:06d}"
     wa = assert_same_weights(outs["straight"] / published, outs["resumed"] / published)
     w0 = load_file(str(tiny_model / "model.safetensors"))
     assert any(not torch.equal(w0[k], wa[k]) for k in wa), "the weights moved"
