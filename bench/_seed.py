@@ -214,6 +214,7 @@ def trajectory_rows(lay: Layout, chunk: int = 2000) -> Iterator[list[dict[str, A
                     "id": start + j + 1,
                     "question_id": int(lay.traj_qids[start + j]),
                     "pool_id": POOL_ID,
+                    "scope": RUN_ID,  # a per_run pool: the run owns its trajectories
                     "source_run_id": RUN_ID,
                     "policy_version": step // 4,
                     "step": step,
@@ -358,8 +359,8 @@ _PG_TABLES: dict[str, list[str]] = {
         "updated_at",
     ],
     "trajectory": [
-        "id", "question_id", "pool_id", "source_run_id", "policy_version", "step", "token_ids", "logprobs",
-        "num_tokens", "reward", "entropy", "dedup_key", "created_at",
+        "id", "question_id", "pool_id", "scope", "source_run_id", "policy_version", "step", "token_ids",
+        "logprobs", "num_tokens", "reward", "entropy", "dedup_key", "created_at",
     ],
 }  # fmt: skip
 

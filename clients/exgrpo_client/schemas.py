@@ -33,7 +33,10 @@ Int32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
 RowId = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Weighting = Literal["normal", "linear", "sqrt", "linear_clip", "uniform"]
 Phase = Literal["on_policy", "mixed"]
-Sharing = Literal["per_run", "pooled"]
+Sharing = Literal["per_run", "pooled", "shared_trajectories"]
+"""What the runs of one pool share (never anything across pools). `per_run`: nothing; each run has
+its own buckets, retirement and trajectories. `pooled`: buckets, retirement and trajectories.
+`shared_trajectories`: trajectories only (buckets and retirement per run)."""
 CandidateMode = Literal["all", "lowest_stored_entropy", "none"]
 BatchStatus = Literal["planned", "committed", "abandoned"]
 TaskStatus = Literal["pending", "leased", "completed", "failed"]
@@ -81,7 +84,11 @@ class PoolConfig(Strict):
     experience_ratio: FiniteFloat = Field(0.5, ge=0, le=1, description="Share of replayed questions.")
     batch_size: int = Field(128, ge=1, le=65_536, description="Questions per training step (B).")
     start_threshold: FiniteFloat = Field(0.35, ge=0, le=1, description="Delayed-start threshold.")
-    sharing: Sharing = Field("per_run", description="Buckets/retirement per run, or pooled.")
+    sharing: Sharing = Field(
+        "per_run",
+        description="What the pool's runs share: per_run (nothing), pooled (buckets, retirement and "
+        "trajectories) or shared_trajectories (trajectories; buckets and retirement per run).",
+    )
     active_refresh_margin: int = Field(20, ge=0, description="Epoch refresh needs > B + margin.")
 
     @model_validator(mode="after")
@@ -629,6 +636,11 @@ class ExportState(Strict):
 class ExportTrajectory(Strict):
     type: Literal["trajectory"] = "trajectory"
     question: RowId
+    scope: RowId | None = Field(
+        None,
+        description="The exported run that owns it (sharing per_run), 0 for the pool's shared scope; "
+        "absent in older exports (then: its source run in a per_run pool, else the shared scope).",
+    )
     source_run: RowId | None = None
     policy_version: Int32
     step: Int32

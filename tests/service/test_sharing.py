@@ -1,4 +1,5 @@
-"""Several runs on one pool: shared trajectories, per-run or pooled states, concurrent writers."""
+"""Several runs on one pool: shared trajectories, per-run or pooled states, concurrent writers.
+(What each sharing mode shares, and that pools never share anything: test_isolation.py.)"""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _hist(stats: dict[str, Any]) -> dict[int, int]:
 
 
 async def test_runs_share_trajectories_but_not_states(client: httpx.AsyncClient) -> None:
-    await setup_pool(client, runs=("r1", "r2"), phase="mixed")
+    await setup_pool(client, runs=("r1", "r2"), phase="mixed", sharing="shared_trajectories")
     qids = [q["id"] for q in ok(await client.get("/v1/pools/p1/questions", params={"limit": 3}))["data"]]
     q, q_other, q_both = qids
 
@@ -85,7 +86,7 @@ async def test_runs_share_trajectories_but_not_states(client: httpx.AsyncClient)
 async def test_two_runs_training_on_one_pool_follow_their_own_rules(client: httpx.AsyncClient) -> None:
     """Plan/commit loops of two runs (same seed, so they see the same questions) with different
     outcomes: the states of each run follow its own groups, the trajectories are pooled."""
-    await setup_pool(client, runs=("r1", "r2"), phase="mixed", questions=16)
+    await setup_pool(client, runs=("r1", "r2"), phase="mixed", questions=16, sharing="shared_trajectories")
     model = Model()
     for step in range(1, 5):
         outcomes = (("r1", lambda q, s=step: (q + s) % (K + 1)), ("r2", lambda q, s=step: (q * 3 + s) % K))
@@ -138,7 +139,8 @@ async def _concurrent_training(clients: list[httpx.AsyncClient], steps: int = 4)
     """Two runs plan and commit concurrently, while extra producers ingest into both runs, all
     writers sending overlapping trajectories. Nothing may be lost or double counted."""
     a, b = clients[0], clients[-1]
-    await setup_pool(a, runs=(), questions=48)
+    # shared trajectories: concurrent writers of two runs insert into one trajectory scope
+    await setup_pool(a, runs=(), questions=48, sharing="shared_trajectories")
     for run, seed in (("r1", 1), ("r2", 2)):
         ok(await a.post("/v1/pools/p1/runs", json={"name": run, "seed": seed, "phase": "mixed"}), 201)
     all_q = [q["id"] for q in ok(await a.get("/v1/pools/p1/questions", params={"limit": 1000}))["data"]]

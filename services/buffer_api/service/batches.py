@@ -26,10 +26,11 @@ from exgrpo_pool.domain import (
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
+    RunScopes,
     messages,
     rules_for,
     run_overrides,
-    scope_of,
+    scopes_of,
     stored_plan,
     trajectory_public,
 )
@@ -114,13 +115,14 @@ async def _draw_fresh(
 async def _pick_replay(
     ctx: Context,
     session: AsyncSession,
-    scope: int,
+    scopes: RunScopes,
     sizes: dict[int, int],
     n: int,
     rules: ExperienceRules,
     rng: np.random.Generator,
     mode: s.CandidateMode,
 ) -> list[s.StoredPick]:
+    scope = scopes.state
     draws = sample_replay(sizes, n, rules, rng)
     ranks: dict[int, list[int]] = {}
     for d in draws:
@@ -145,7 +147,9 @@ async def _pick_replay(
     if len(valid) != len(picks):
         log.warning("index out of date for scope %s: %d stale picks dropped", scope, len(picks) - len(valid))
         await ctx.index.drop(scope)
-    trajs = await repo.trajectories_of(session, [p.question_id for p in valid], payload=False)
+    trajs = await repo.trajectories_of(
+        session, [p.question_id for p in valid], scope=scopes.trajectories, payload=False
+    )
     out = []
     for p in valid:
         cands = trajs.get(p.question_id, [])
@@ -166,7 +170,8 @@ async def _replay_items(
     qids = [p.question_id for p in picks]
     questions = await repo.get_questions(session, qids)
     tids = {t for p in picks for t in p.candidates}
-    trajs = await repo.trajectories_of(session, qids, payload=with_payload) if tids else {}
+    # the candidates were chosen in the run's trajectory scope; read them by id
+    trajs = await repo.trajectories_of(session, qids, scope=None, payload=with_payload) if tids else {}
     by_id: dict[int, Trajectory] = {t.id: t for ts in trajs.values() for t in ts}
     names = await repo.run_names(session, [t.source_run_id for t in by_id.values() if t.source_run_id])
     items = []
@@ -243,7 +248,8 @@ async def plan_batch(
             batch_size=req.batch_size or rules.batch_size,
             experience_ratio=rules.experience_ratio if req.experience_ratio is None else req.experience_ratio,
         )
-        scope = scope_of(pool, run)
+        scopes = scopes_of(pool, run)
+        scope = scopes.state
         await ensure_index(ctx, session, scope)
         sizes = await ctx.index.sizes(scope)
         experience = run_overrides(run).experience
@@ -252,7 +258,7 @@ async def plan_batch(
         drawn = await _draw_fresh(ctx, session, pool, run, rules, scope)
         fresh = [int(q) for q in drawn[: rules.batch_size - comp.num_replay]]
         rng = make_rng(run.seed, step, "replay")
-        picks = await _pick_replay(ctx, session, scope, sizes, comp.num_replay, rules, rng, req.candidates)
+        picks = await _pick_replay(ctx, session, scopes, sizes, comp.num_replay, rules, rng, req.candidates)
         # a pick can vanish (stale index); its slot goes to the next loader-drawn question
         fill = rules.batch_size - len(fresh) - len(picks)
         if fill > 0:
@@ -371,13 +377,13 @@ async def commit_batch(
             )
         _check_against_plan(batch, req.groups)
         rules = rules_for(pool, run)
-        scope = scope_of(pool, run)
+        scopes = scopes_of(pool, run)
         version = batch.policy_version if req.policy_version is None else req.policy_version
         applied = await apply_groups(
             session,
             pool_id=pool.id,
             run_id=run.id,
-            scope=scope,
+            scopes=scopes,
             rules=rules,
             groups=req.groups,
             collect=batch.phase == "mixed",
@@ -412,7 +418,7 @@ async def commit_batch(
             # read in this transaction, after its writes: the state the commit leaves behind
             result.stats = await collect_run_stats(ctx, session, pool, run, last=batch)
         batch.result = result.model_dump()  # a replayed commit answers exactly this, stats included
-    await _apply_moves(ctx, scope, applied)
+    await _apply_moves(ctx, scopes.state, applied)
     ctx.metrics.batches_committed.labels(pool.name).inc()
     ctx.metrics.run_solved.labels(pool.name, run.name).set(solved)
     _count(ctx, pool, applied)
@@ -455,12 +461,12 @@ async def ingest(
         missing = [q for q in qids if q not in found or found[q].pool_id != pool.id]
         if missing:
             raise BadRequest(f"question ids {missing[:20]} are not in pool {pool.name!r}")
-        scope = scope_of(pool, run)
+        scopes = scopes_of(pool, run)
         applied = await apply_groups(
             session,
             pool_id=pool.id,
             run_id=run.id,
-            scope=scope,
+            scopes=scopes,
             rules=rules_for(pool, run),
             groups=req.groups,
             collect=True,
@@ -469,7 +475,7 @@ async def ingest(
         )
         solved = solved_fraction(r.reward for g in req.groups for r in g.rollouts)
         result = _result(None, run, solved, False, applied)
-    await _apply_moves(ctx, scope, applied)
+    await _apply_moves(ctx, scopes.state, applied)
     _count(ctx, pool, applied)
     return result
 
@@ -478,13 +484,13 @@ async def ingest(
 async def select_replay(ctx: Context, pool: Pool, run_name: str, req: s.SelectRequest) -> s.SelectResult:
     async with ctx.db.read() as session:
         run = await _get_run(session, pool, run_name)
-        scope = scope_of(pool, run)
-        await ensure_index(ctx, session, scope)
-        sizes = await ctx.index.sizes(scope)
+        scopes = scopes_of(pool, run)
+        await ensure_index(ctx, session, scopes.state)
+        sizes = await ctx.index.sizes(scopes.state)
         seed = secrets.randbits(63) if req.seed is None else req.seed
         rules = rules_for(pool, run)
         picks = await _pick_replay(
-            ctx, session, scope, sizes, req.n, rules, make_rng(run.seed, seed, "select"), req.candidates
+            ctx, session, scopes, sizes, req.n, rules, make_rng(run.seed, seed, "select"), req.candidates
         )
         items = await _replay_items(session, picks, rules.k, with_payload=True)
     ctx.metrics.replay_picks.labels(pool.name).inc(len(items))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -13,7 +14,7 @@ import numpy.typing as npt
 from exgrpo_client import schemas as s
 from exgrpo_pool.domain import ExperienceRules
 from exgrpo_pool.errors import BadRequest
-from exgrpo_pool.store.models import POOLED_SCOPE, Batch, Pool, Question, Run, Trajectory
+from exgrpo_pool.store.models import Batch, Pool, Question, Run, Trajectory, pool_scope
 
 
 def pool_config(pool: Pool) -> s.PoolConfig:
@@ -46,8 +47,36 @@ def stored_plan(batch: Batch) -> s.StoredPlan:
     return s.StoredPlan.model_validate(batch.plan)
 
 
+@dataclass(frozen=True, slots=True)
+class RunScopes:
+    """Where a run's state lives: `state` holds its buckets and retirement (`run_question`),
+    `trajectories` its stored trajectories and their de-duplication. A scope is a run id, or the
+    pool's shared scope (`pool_scope`, < 0); nothing is ever shared across pools."""
+
+    state: int
+    trajectories: int
+
+    @property
+    def drops_retired(self) -> bool:
+        """Whether a retirement removes the question's trajectories: when the scope that retires
+        it owns them (the spec never replays a retired question). With shared trajectories and
+        per-run retirement, other runs still replay them."""
+        return self.state == self.trajectories
+
+
+def scopes_of(pool: Pool, run: Run) -> RunScopes:
+    sharing = pool_config(pool).sharing
+    shared = pool_scope(pool.id)
+    if sharing == "pooled":
+        return RunScopes(state=shared, trajectories=shared)
+    if sharing == "shared_trajectories":
+        return RunScopes(state=run.id, trajectories=shared)
+    return RunScopes(state=run.id, trajectories=run.id)
+
+
 def scope_of(pool: Pool, run: Run) -> int:
-    return POOLED_SCOPE if pool_config(pool).sharing == "pooled" else run.id
+    """The run's state scope (buckets and retirement)."""
+    return scopes_of(pool, run).state
 
 
 def content_hash(prompt: list[dict[str, Any]], ground_truth: str) -> bytes:

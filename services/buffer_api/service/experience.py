@@ -11,9 +11,9 @@ from exgrpo_client import schemas as s
 from exgrpo_pool.domain import ExperienceRules, GroupAction, decide_group, trajectory_key
 from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.index.base import Move
-from exgrpo_pool.service.convert import decode_payload
+from exgrpo_pool.service.convert import RunScopes, decode_payload
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import POOLED_SCOPE, utcnow
+from exgrpo_pool.store.models import is_pool_scope, utcnow
 
 
 @dataclass
@@ -57,7 +57,7 @@ async def apply_groups(
     *,
     pool_id: int,
     run_id: int,
-    scope: int,
+    scopes: RunScopes,
     rules: ExperienceRules,
     groups: list[s.GroupResult],
     collect: bool,
@@ -65,7 +65,11 @@ async def apply_groups(
     policy_version: int,
 ) -> Applied:
     """Retire, bucket and store in the caller's transaction. Validates everything before the first
-    write, so a bad request changes nothing (and the transaction rolls back on any error anyway)."""
+    write, so a bad request changes nothing (and the transaction rolls back on any error anyway).
+
+    States go to `scopes.state`, trajectories to `scopes.trajectories` (de-duplicated there); a
+    retirement removes the question's trajectories where the retiring scope owns them."""
+    scope = scopes.state
     check_group_sizes(groups, rules)
     out = Applied()
     finals: dict[int, _Final] = {}
@@ -97,6 +101,7 @@ async def apply_groups(
                     {
                         "question_id": g.question_id,
                         "pool_id": pool_id,
+                        "scope": scopes.trajectories,
                         "source_run_id": run_id,
                         "policy_version": policy_version,
                         "step": step,
@@ -116,7 +121,7 @@ async def apply_groups(
                 # payloads we do not store are still checked, so bad data is refused consistently
                 decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
 
-    if scope == POOLED_SCOPE:
+    if is_pool_scope(scope):
         # Every run of a pooled pool writes the same state rows (a per-run scope is already
         # serialised by its run's row lock): one writer at a time, or two requests touching the
         # same questions in different orders deadlock on Postgres.
@@ -153,4 +158,7 @@ async def apply_groups(
     candidates = len(traj_rows)
     out.stored = await repo.insert_trajectories(session, traj_rows)
     out.duplicates = candidates - out.stored
+    if scopes.drops_retired and by_kind["retire"]:
+        retired = [r["question_id"] for r in by_kind["retire"]]
+        await repo.delete_trajectories(session, scopes.trajectories, retired)
     return out

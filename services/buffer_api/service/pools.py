@@ -20,7 +20,7 @@ from exgrpo_pool.service.convert import (
 from exgrpo_pool.service.leases import LeaseClaim, run_for_write
 from exgrpo_pool.service.stats import collect_run_stats
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import POOLED_SCOPE, PolicyVersion, Pool, Run, utcnow
+from exgrpo_pool.store.models import PolicyVersion, Pool, Run, is_pool_scope, utcnow
 
 
 async def load_pool(ctx: Context, name: str) -> Pool:
@@ -112,7 +112,7 @@ async def question_detail(ctx: Context, pool: Pool, qid: int, *, payload: bool) 
         q = (await repo.get_questions(session, [qid])).get(qid)
         if q is None or q.pool_id != pool.id:
             raise NotFound(f"question {qid} does not exist in pool {pool.name!r}")
-        trajs = (await repo.trajectories_of(session, [qid], payload=payload))[qid]
+        trajs = (await repo.trajectories_of(session, [qid], scope=None, payload=payload))[qid]
         states = await repo.question_states(session, qid)
         names = await repo.run_names(
             session, [t.source_run_id for t in trajs if t.source_run_id] + [st.scope for st in states]
@@ -123,7 +123,7 @@ async def question_detail(ctx: Context, pool: Pool, qid: int, *, payload: bool) 
         trajectories=[trajectory_public(t, names, payload=payload) for t in trajs],
         runs=[
             s.QuestionRunState(
-                run="*" if st.scope == POOLED_SCOPE else names.get(st.scope, str(st.scope)),
+                run="*" if is_pool_scope(st.scope) else names.get(st.scope, str(st.scope)),
                 num_correct=st.last_k,
                 bucket=st.bucket,
                 retired=st.retired,

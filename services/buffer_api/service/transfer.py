@@ -18,9 +18,15 @@ from exgrpo_pool.errors import BadRequest, Conflict
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import messages, pool_config, question_row, run_overrides
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import POOLED_SCOPE, PolicyVersion, Pool, Run, utcnow
+from exgrpo_pool.store.models import PolicyVersion, Pool, Run, is_pool_scope, pool_scope, utcnow
 
 _PAGE = 2000
+#: The pool's shared scope in an export (in the database it is `pool_scope(pool id)`).
+SHARED_SCOPE = 0
+
+
+def _exported_scope(scope: int) -> int:
+    return SHARED_SCOPE if is_pool_scope(scope) else scope
 
 
 async def export_pool(ctx: Context, pool: Pool) -> AsyncIterator[bytes]:
@@ -65,12 +71,12 @@ async def export_pool(ctx: Context, pool: Pool) -> AsyncIterator[bytes]:
                     )
                 )
             after = qs[-1].id
-        key = (-1, 0)
+        key = (pool_scope(pool.id) - 1, 0)
         while states := await repo.pool_states(session, pool.id, key, _PAGE):
             for st in states:
                 yield s.export_line(
                     s.ExportState(
-                        scope=st.scope,
+                        scope=_exported_scope(st.scope),
                         question=st.question_id,
                         last_k=st.last_k,
                         bucket=st.bucket,
@@ -85,6 +91,7 @@ async def export_pool(ctx: Context, pool: Pool) -> AsyncIterator[bytes]:
                 yield s.export_line(
                     s.ExportTrajectory(
                         question=t.question_id,
+                        scope=_exported_scope(t.scope),
                         source_run=t.source_run_id,
                         policy_version=t.policy_version,
                         step=t.step,
@@ -170,6 +177,17 @@ class _Importer:
             raise BadRequest(f"run id {exported} has no earlier run record")
         return self.runs[exported]
 
+    def _scope(self, exported: int) -> int:
+        return pool_scope(self.pool.id) if exported == SHARED_SCOPE else self._run_id(exported)
+
+    def _trajectory_scope(self, t: s.ExportTrajectory, source_run: int | None) -> int:
+        if t.scope is not None:
+            return self._scope(t.scope)
+        # an export of before trajectory scopes: a per_run pool's trajectories go to their run
+        if pool_config(self.pool).sharing == "per_run" and source_run is not None:
+            return source_run
+        return pool_scope(self.pool.id)
+
     def _question_id(self, exported: int) -> int:
         if exported not in self.questions:
             raise BadRequest(f"question id {exported} has no earlier question record")
@@ -210,7 +228,7 @@ class _Importer:
             kind,
             [
                 {
-                    "scope": POOLED_SCOPE if st.scope == POOLED_SCOPE else self._run_id(st.scope),
+                    "scope": self._scope(st.scope),
                     "question_id": self._question_id(st.question),
                     "pool_id": self.pool.id,
                     "last_k": st.last_k,
@@ -230,13 +248,15 @@ class _Importer:
         lps = s.decode_logprobs(t.logprobs_b64)
         if ids.size != lps.size:
             raise BadRequest(f"trajectory: {ids.size} token ids but {lps.size} log-probs")
+        source_run = None if t.source_run is None else self.runs.get(t.source_run)
         n = await repo.insert_trajectories(
             self.session,
             [
                 {
                     "question_id": self._question_id(t.question),
                     "pool_id": self.pool.id,
-                    "source_run_id": None if t.source_run is None else self.runs.get(t.source_run),
+                    "scope": self._trajectory_scope(t, source_run),
+                    "source_run_id": source_run,
                     "policy_version": t.policy_version,
                     "step": t.step,
                     "token_ids": ids.tobytes(),

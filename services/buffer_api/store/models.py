@@ -47,8 +47,13 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value
 
 
-#: run_question.scope for pools whose buckets and retirement are pooled across runs.
-POOLED_SCOPE = 0
+def pool_scope(pool_id: int) -> int:
+    """The scope shared by the runs of one pool (run scopes are run ids, > 0)."""
+    return -pool_id
+
+
+def is_pool_scope(scope: int) -> bool:
+    return scope < 0
 
 
 def utcnow() -> datetime:
@@ -128,7 +133,7 @@ class RunEpoch(Base):
 
 
 class RunQuestion(Base):
-    """One run's view of one question (scope = run id, or POOLED_SCOPE for pooled pools)."""
+    """One run's view of one question (scope = run id, or `pool_scope(pool id)` for pooled pools)."""
 
     __tablename__ = "run_question"
     __table_args__ = (Index("ix_run_question_bucket", "scope", "retired", "bucket"),)
@@ -144,15 +149,19 @@ class RunQuestion(Base):
 
 
 class Trajectory(Base):
+    """A stored correct rollout. `scope` owns it: the run id (sharing `per_run`) or the pool's
+    shared scope `pool_scope(pool id)`; replay and de-duplication stay inside the scope."""
+
     __tablename__ = "trajectory"
     __table_args__ = (
-        UniqueConstraint("question_id", "dedup_key", name="uq_trajectory_dedup"),
+        UniqueConstraint("question_id", "scope", "dedup_key", name="uq_trajectory_scope_dedup"),
         Index("ix_trajectory_run_created", "source_run_id", "created_at"),
         Index("ix_trajectory_pool", "pool_id"),
     )
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     question_id: Mapped[int] = mapped_column(ForeignKey("question.id", ondelete="CASCADE"))
     pool_id: Mapped[int] = mapped_column(ForeignKey("pool.id", ondelete="CASCADE"))
+    scope: Mapped[int] = mapped_column(BigInteger)
     source_run_id: Mapped[int | None] = mapped_column(
         ForeignKey("run.id", ondelete="SET NULL"), nullable=True
     )

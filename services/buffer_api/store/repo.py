@@ -282,15 +282,16 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
     # as "insertmanyvalues"); .values(list) rebuilt and recompiled thousands of bind parameters per call
     stmt = (
         _insert(session, Trajectory.__table__)
-        .on_conflict_do_nothing(index_elements=["question_id", "dedup_key"])
+        .on_conflict_do_nothing(index_elements=["question_id", "scope", "dedup_key"])
         .returning(Trajectory.__table__.c.id)
     )
     return len((await session.execute(stmt, rows)).all())
 
 
 async def trajectories_of(
-    session: AsyncSession, qids: Sequence[int], *, payload: bool = True
+    session: AsyncSession, qids: Sequence[int], *, scope: int | None, payload: bool = True
 ) -> dict[int, list[Trajectory]]:
+    """The stored trajectories of questions, of one scope (None: of every scope)."""
     out: dict[int, list[Trajectory]] = {q: [] for q in qids}
     # plain rows (attribute access like the ORM class), not ORM instances: building ~300 mapped
     # objects per plan was ~15% of its time in a profile
@@ -298,9 +299,24 @@ async def trajectories_of(
     cols = [c for c in Trajectory.__table__.c if c.name not in skip]
     for chunk in _chunks(list(qids)):
         stmt = select(*cols).where(Trajectory.question_id.in_(chunk)).order_by(Trajectory.id)
+        if scope is not None:
+            stmt = stmt.where(Trajectory.scope == scope)
         for row in await session.execute(stmt):
             out[row.question_id].append(row)  # type: ignore[arg-type]  # a Row read like a Trajectory
     return out
+
+
+async def delete_trajectories(session: AsyncSession, scope: int, qids: Sequence[int]) -> int:
+    """Remove the trajectories of questions in one scope (retired questions are never replayed)."""
+    removed = 0
+    for chunk in _chunks(sorted(set(qids))):
+        stmt = (
+            delete(Trajectory)
+            .where(Trajectory.scope == scope, Trajectory.question_id.in_(chunk))
+            .returning(Trajectory.id)
+        )
+        removed += len((await session.execute(stmt)).all())
+    return removed
 
 
 async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, limit: int) -> list[Trajectory]:

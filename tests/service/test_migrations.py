@@ -1,0 +1,155 @@
+"""Migrations: the schema they build is the models' schema, and the scope migration moves existing
+data where the sharing modes now keep it (SQLite and Postgres)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import Connection, text
+
+from exgrpo_pool.store import db as dbmod
+from exgrpo_pool.store.models import Base
+
+from .conftest import PG_HOST, PG_PORT, PG_USER, _in_thread, _pg_admin
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("sqlite", id="sqlite"),
+        pytest.param("postgres", id="postgres", marks=[pytest.mark.postgres]),
+    ]
+)
+def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database (no tables yet)."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}"
+        return
+    name = f"exgrpo_mig_{secrets.token_hex(6)}"
+    _in_thread(lambda: _pg_admin(f'CREATE DATABASE "{name}"'))
+    try:
+        yield f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
+    finally:
+        _in_thread(lambda: _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def _sql(url: str, statements: list[tuple[str, dict[str, Any]]]) -> list[list[Any]]:
+    async def go() -> list[list[Any]]:
+        engine = dbmod.make_engine(url)
+        out: list[list[Any]] = []
+        try:
+            async with engine.begin() as conn:
+                for stmt, params in statements:
+                    result = await conn.execute(text(stmt), params)
+                    out.append([tuple(r) for r in result] if result.returns_rows else [])
+        finally:
+            await engine.dispose()
+        return out
+
+    return _in_thread(go)
+
+
+def _schema_diff(url: str) -> list[Any]:
+    def compare(conn: Connection) -> list[Any]:
+        return list(compare_metadata(MigrationContext.configure(conn), Base.metadata))
+
+    async def go() -> list[Any]:
+        engine = dbmod.make_engine(url)
+        try:
+            async with engine.connect() as conn:
+                return await conn.run_sync(compare)
+        finally:
+            await engine.dispose()
+
+    return _in_thread(go)
+
+
+def test_migrated_schema_is_the_models_schema(empty_url: str) -> None:
+    dbmod.upgrade(empty_url)
+    assert _schema_diff(empty_url) == []
+
+
+def test_scope_migration_moves_pooled_states_and_per_run_trajectories(empty_url: str) -> None:
+    dbmod.upgrade(empty_url, "0003")
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for pid, sharing in ((1, "per_run"), (2, "pooled"), (3, "pooled")):
+        rows.append(
+            (
+                "INSERT INTO pool (id, name, description, config, created_at, updated_at) "
+                "VALUES (:id, :name, '', :config, :now, :now)",
+                {
+                    "id": pid,
+                    "name": f"p{pid}",
+                    "config": json.dumps({"k": 4, "sharing": sharing}),
+                    "now": now,
+                },
+            )
+        )
+        rows.append(
+            (
+                "INSERT INTO question (id, pool_id, content_hash, prompt, ground_truth, data_source, "
+                "metadata, created_at) VALUES (:id, :id, :h, '[]', '1', '', '{}', :now)",
+                {"id": pid, "h": bytes([pid]) * 16, "now": now},
+            )
+        )
+        rows.append(
+            (
+                "INSERT INTO run (id, pool_id, name, seed, phase, step, policy_version, epoch, cursor, "
+                "overrides, created_at, updated_at) "
+                "VALUES (:id, :id, 'r', 0, 'mixed', 0, 0, -1, 0, '{}', :now, :now)",
+                {"id": pid, "now": now},
+            )
+        )
+        scope = 0 if sharing == "pooled" else pid
+        rows.append(
+            (
+                "INSERT INTO run_question (scope, question_id, pool_id, last_k, bucket, retired, last_step, "
+                "updated_at) VALUES (:s, :q, :p, 1, 1, false, 1, :now)",
+                {"s": scope, "q": pid, "p": pid, "now": now},
+            )
+        )
+        for tid, source in ((10 * pid, pid), (10 * pid + 1, None)):
+            rows.append(
+                (
+                    "INSERT INTO trajectory (id, question_id, pool_id, source_run_id, policy_version, step, "
+                    "token_ids, logprobs, num_tokens, reward, dedup_key, created_at) "
+                    "VALUES (:id, :q, :p, :src, 0, 0, :ids, :lps, 1, 1.0, :key, :now)",
+                    {
+                        "id": tid,
+                        "q": pid,
+                        "p": pid,
+                        "src": source,
+                        "ids": b"\x01\x00\x00\x00",
+                        "lps": b"\x00\x00\x00\x00",
+                        "key": bytes([tid]) * 32,
+                        "now": now,
+                    },
+                )
+            )
+    _sql(empty_url, rows)
+    dbmod.upgrade(empty_url)
+    states, trajs = _sql(
+        empty_url,
+        [
+            ("SELECT pool_id, scope FROM run_question ORDER BY pool_id", {}),
+            ("SELECT id, scope FROM trajectory ORDER BY id", {}),
+        ],
+    )
+    # every pooled pool has its own shared scope (-pool id), no longer the one scope 0
+    assert states == [(1, 1), (2, -2), (3, -3)]
+    # per_run: a trajectory belongs to the run that collected it; the rest to the pool's scope
+    assert trajs == [(10, 1), (11, -1), (20, -2), (21, -2), (30, -3), (31, -3)]
+    assert _schema_diff(empty_url) == []
+    # and back: shared scopes are 0 again
+    command.downgrade(dbmod.alembic_config(empty_url), "0003")
+    (states,) = _sql(empty_url, [("SELECT pool_id, scope FROM run_question ORDER BY pool_id", {})])
+    assert states == [(1, 1), (2, 0), (3, 0)]
