@@ -20,7 +20,7 @@ from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from exgrpo_pool.api.routes import batches, dashboard, pools, runs
+from exgrpo_pool.api.routes import batches, dashboard, docs, pools, runs
 from exgrpo_pool.config import Settings
 from exgrpo_pool.errors import PayloadTooLarge, ServiceError
 from exgrpo_pool.index.memory import MemoryIndex
@@ -291,6 +291,8 @@ def create_app(settings: Settings) -> FastAPI:
         version="0.1.0",
         description="The experience pool of ExGRPO training runs: questions, runs, batches, replay, tasks.",
         lifespan=lifespan,
+        docs_url=None,  # /docs and /redoc come from routes.docs, with their assets served here
+        redoc_url=None,
     )
     install_handlers(app)
     install_observability(app, metrics)
@@ -338,4 +340,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(runs.router)
     app.include_router(batches.router)
     app.include_router(dashboard.router)
+    app.include_router(docs.router)
     return app

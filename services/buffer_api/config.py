@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +19,9 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 Scope = str  # "admin" | "read" | "write:<pool>" | "write:*"
 
 DEFAULT_DATA_DIR = Path("exgrpo-data")
+
+EXAMPLE_SECRET = re.compile(r"replace[-_ ]?(me|with)", re.IGNORECASE)
+"""The placeholders of .env.example ("replace-with-...") and deploy/k8s/secret.yaml ("REPLACE-ME-...")."""
 
 
 class TokenGrant(BaseModel):
@@ -90,6 +94,9 @@ class Settings(BaseSettings):
     """One JSON object per log line (False: plain text)."""
     db_pool_size: int = Field(10, ge=1)
     """Connections kept open to Postgres."""
+    allow_example_secrets: bool = False
+    """Accept the placeholder tokens and database password of .env.example and
+    deploy/k8s/secret.yaml (a throwaway demo only); by default the service refuses to start with them."""
 
     @classmethod
     def settings_customise_sources(
@@ -113,6 +120,16 @@ class Settings(BaseSettings):
             raise ValueError(
                 "no way in: set EXGRPO_TOKENS (bearer tokens with scopes) or EXGRPO_ALLOW_ANONYMOUS=true"
             )
+        if not self.allow_example_secrets:
+            placeholders = [f"the token of {t.name!r}" for t in self.tokens if EXAMPLE_SECRET.search(t.token)]
+            if EXAMPLE_SECRET.search(self.database_url.split("@", 1)[0]):
+                placeholders.append("the database password")
+            if placeholders:
+                raise ValueError(
+                    f"{', '.join(placeholders)} still hold the example placeholder: replace them with "
+                    "random secrets (.env, the Kubernetes Secret), or set EXGRPO_ALLOW_EXAMPLE_SECRETS=true "
+                    "for a throwaway demo"
+                )
         return self
 
     @property
