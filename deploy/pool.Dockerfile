@@ -1,19 +1,25 @@
-# syntax=docker/dockerfile:1
 # Experience pool service: FastAPI on Postgres + Redis (or SQLite + in-process index).
 # Build from the repository root:
 #   docker build -f deploy/pool.Dockerfile -t exgrpo/pool:0.1.0 .
 # Run `exgrpo db upgrade` once per release before the replicas start (compose and the Kubernetes
 # init container do it), then `exgrpo serve` (the CMD). Configuration: EXGRPO_* variables.
+# Package index settings of the build (PIP_INDEX_URL, PIP_CA_CERTS, ...): deploy/docker/pip-install.sh.
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_TRUSTED_HOST
+ARG PIP_CA_CERTS
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY deploy/docker/pip-install.sh /usr/local/bin/pip-install
 RUN python -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY services ./services
 COPY clients ./clients
-RUN /opt/venv/bin/pip install ".[server]" \
+RUN pip-install ".[server]" \
  && /opt/venv/bin/pip check
 
 FROM ${PYTHON_IMAGE} AS runtime

@@ -1,22 +1,29 @@
-# syntax=docker/dockerfile:1
 # Rollout worker on vLLM (GPU). Its own image and pins (deploy/rollout-vllm/requirements.txt):
 # vLLM pins a torch that differs from the trainer's. Build from the repository root:
 #   docker build -f deploy/rollout-vllm.Dockerfile -t exgrpo/rollout-vllm:0.1.0 .
+# Package index settings of the build (PIP_INDEX_URL, PIP_CA_CERTS, ...): deploy/docker/pip-install.sh.
+# The default command serves the run of EXGRPO_POOL / EXGRPO_RUN (as --pool / --run do).
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 FROM ${CUDA_IMAGE} AS build
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_TRUSTED_HOST
+ARG PIP_CA_CERTS
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
+COPY deploy/docker/pip-install.sh /usr/local/bin/pip-install
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 COPY deploy/rollout-vllm/requirements.txt /tmp/requirements.txt
-RUN /opt/venv/bin/pip install -r /tmp/requirements.txt
+RUN pip-install -r /tmp/requirements.txt
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY services ./services
 COPY clients ./clients
-RUN /opt/venv/bin/pip install --no-deps . \
+RUN pip-install --no-deps . \
  && /opt/venv/bin/pip check
 
 FROM ${CUDA_IMAGE} AS runtime
@@ -43,4 +50,4 @@ USER 10001:10001
 EXPOSE 9300
 HEALTHCHECK --interval=15s --timeout=4s --start-period=600s --retries=4 \
   CMD python3 /opt/exgrpo/healthcheck.py "http://127.0.0.1:${EXGRPO_WORKER_METRICS_PORT}/metrics"
-CMD ["exgrpo", "rollout", "--engine", "vllm", "--metrics-port", "9300"]
+CMD ["exgrpo", "rollout", "--engine", "vllm"]

@@ -72,8 +72,10 @@ def _ctx_value(ctx: typer.Context, name: str) -> Any:
 # ------------------------------------------------------------------------------------- rollout
 def rollout(
     ctx: typer.Context,
-    pool: Annotated[str, typer.Option("--pool", help="Pool name.")],
-    run: Annotated[str, typer.Option("--run", help="Run whose generation tasks to serve.")],
+    pool: Annotated[str, typer.Option("--pool", envvar="EXGRPO_POOL", help="Pool name.")],
+    run: Annotated[
+        str, typer.Option("--run", envvar="EXGRPO_RUN", help="Run whose generation tasks to serve.")
+    ],
     engine: Annotated[Engine, typer.Option("--engine", help="Generation engine.")] = "transformers",
     model: Annotated[
         Path | None,
@@ -131,8 +133,21 @@ def rollout(
         float, typer.Option("--grading-timeout", min=0.01, help="Seconds per graded sample.")
     ] = 5.0,
     metrics_port: Annotated[
-        int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")
+        int | None,
+        typer.Option(
+            "--metrics-port",
+            envvar="EXGRPO_WORKER_METRICS_PORT",
+            help="Serve Prometheus metrics on this port.",
+        ),
     ] = None,
+    metrics_host: Annotated[
+        str,
+        typer.Option(
+            "--metrics-host",
+            envvar="EXGRPO_METRICS_HOST",
+            help="Address the metrics port binds (127.0.0.1 on a host network).",
+        ),
+    ] = "0.0.0.0",
     device: Annotated[str | None, typer.Option("--device", help="transformers: cpu, cuda, cuda:1...")] = None,
     dtype: Annotated[
         str | None, typer.Option("--dtype", help="float32, bfloat16, float16 (vllm: auto).")
@@ -192,6 +207,7 @@ def _rollout(ctx: typer.Context, **a: Any) -> None:
         url=_ctx_value(ctx, "url"),
         token=_ctx_value(ctx, "token"),
         metrics_port=a["metrics_port"],
+        metrics_host=a["metrics_host"],
         grading_workers=a["grading_workers"],
         device=a["device"],
         dtype=a["dtype"],

@@ -694,6 +694,7 @@ def run_worker(
     url: str | None = None,
     token: str | None = None,
     metrics_port: int | None = None,
+    metrics_host: str = "0.0.0.0",
     grading_workers: int = 2,
     device: str | None = None,
     dtype: str | None = None,
@@ -732,8 +733,8 @@ def run_worker(
     metrics = None
     if metrics_port is not None:
         metrics = WorkerMetrics()
-        metrics.serve(metrics_port)
-        log.info("metrics_serving", extra=fields(port=metrics_port))
+        metrics.serve(metrics_port, addr=metrics_host)
+        log.info("metrics_serving", extra=fields(host=metrics_host, port=metrics_port))
     grading = GradingPool(grading_workers) if grading_workers > 0 else None
     try:
         worker = RolloutWorker(

@@ -61,7 +61,9 @@ class PrometheusExporter:
             "exgrpo_trainer_solved_fraction", "Solved fraction of the last batch.", registry=self.registry
         )
         self.step = Gauge("exgrpo_trainer_step", "Last completed step.", registry=self.registry)
-        self.server, self.thread = start_http_server(port, registry=self.registry)
+        # EXGRPO_METRICS_HOST: the address to bind (127.0.0.1 on a host network), as the workers'
+        addr = os.environ.get("EXGRPO_METRICS_HOST") or "0.0.0.0"
+        self.server, self.thread = start_http_server(port, addr=addr, registry=self.registry)
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
         for k, v in metrics.items():

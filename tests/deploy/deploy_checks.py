@@ -165,6 +165,26 @@ def pool_settings(env: dict[str, str]) -> Any:
         fail(f"pool service settings do not validate: {e}")
 
 
+def example_pool_settings(env: dict[str, str]) -> Any:
+    """Settings of an example configuration that holds the placeholder secrets: the service must
+    refuse them as they are, and accept them only with EXGRPO_ALLOW_EXAMPLE_SECRETS=true."""
+    from pydantic import ValidationError
+
+    from exgrpo_pool.config import Settings
+
+    refused = ""
+    try:
+        with patched_environ({k: v for k, v in env.items() if k.startswith("EXGRPO_")}):
+            Settings()
+    except ValidationError as e:
+        refused = str(e)
+    need(
+        "EXGRPO_ALLOW_EXAMPLE_SECRETS" in refused,
+        f"the pool service accepts the example's placeholder secrets{': ' + refused if refused else ''}",
+    )
+    return pool_settings({**env, "EXGRPO_ALLOW_EXAMPLE_SECRETS": "true"})
+
+
 def scope_allows_write(scopes: list[str], pool: str) -> bool:
     return bool({"admin", "write:*", f"write:{pool}"} & set(scopes))
 
@@ -331,6 +351,11 @@ def check_compose_profiles_and_dependencies() -> None:
         )
         need("healthcheck" in svcs[dep], f"{dep} needs a healthcheck")
     need("/healthz" in " ".join(pool["healthcheck"]["test"]), "pool healthcheck must probe /healthz")
+    for name in ("prometheus", "grafana"):
+        need(
+            "pool" not in (svcs[name].get("depends_on") or {}),
+            f"{name} must not wait for the pool: monitoring is needed most while the pool is down",
+        )
     for name in active_services("cpu") | active_services("gpu"):
         for dep, spec in svcs[name].get("depends_on", {}).items():
             if dep == "pool":
@@ -360,6 +385,11 @@ def check_compose_gpu_reservations() -> None:
                 need(("count" in d) != ("device_ids" in d), f"{name}: give count or device_ids, not both")
         else:
             need(not devices, f"{name}: only gpu-profile services reserve GPUs")
+    # the defaults (.env.example) fit a one-GPU host: every reserved GPU is GPU 0
+    for name, svc in svcs.items():
+        for d in gpu_devices(svc):
+            ids = [i.strip() for x in d.get("device_ids", []) for i in str(x).split(",")]
+            need(ids == ["0"] * len(ids), f"{name}: default GPUs {ids} do not exist on a one-GPU host")
     need("replicas" in (svcs["rollout-vllm"].get("deploy") or {}), "rollout-vllm: set deploy.replicas")
     need("replicas" in (svcs["rollout-cpu"].get("deploy") or {}), "rollout-cpu: set deploy.replicas")
 
@@ -423,7 +453,7 @@ def check_compose_volumes() -> None:
 def check_compose_pool_settings_and_tokens() -> None:
     svcs = services()
     env = {k: str(v) for k, v in svcs["pool"]["environment"].items()}
-    settings = pool_settings(env)
+    settings = example_pool_settings(env)
     need(settings.redis_url, "the compose pool service should use Redis")
     need(settings.host == "0.0.0.0", "the pool must bind 0.0.0.0 inside its container")
     grants = {g.token: g for g in settings.tokens}
@@ -457,6 +487,33 @@ def check_compose_env_example() -> None:
                 defined[key].startswith("replace-"),
                 f".env.example: {key} must be a 'replace-...' placeholder",
             )
+
+
+def image_env(path: Path, target: str | None) -> dict[str, str]:
+    """ENV of a Dockerfile stage (KEY=VALUE pairs; values without spaces)."""
+    stages = list(dockerfile_stages(path))
+    want = target or stages[-1]
+    out: dict[str, str] = {}
+    current = None
+    for word, rest in dockerfile_instructions(path):
+        if word == "FROM":
+            parts = rest.split()
+            current = parts[2] if len(parts) > 2 and parts[1].upper() == "AS" else None
+        elif word == "ENV" and current == want:
+            out.update(dict(kv.split("=", 1) for kv in shlex.split(rest) if "=" in kv))
+    return out
+
+
+def worker_metrics_port(name: str) -> str:
+    """The metrics port a compose worker serves: --metrics-port, else EXGRPO_WORKER_METRICS_PORT of
+    the service's environment, else of its image."""
+    opts = option_values(compose_command(name))
+    if "--metrics-port" in opts:
+        return opts["--metrics-port"][-1]
+    env = {k: str(v) for k, v in (services()[name].get("environment") or {}).items()}
+    return env.get("EXGRPO_WORKER_METRICS_PORT") or image_env(*build_of(name)).get(
+        "EXGRPO_WORKER_METRICS_PORT", ""
+    )
 
 
 def check_compose_trainer_and_worker_settings() -> None:
@@ -499,8 +556,8 @@ def check_compose_trainer_and_worker_settings() -> None:
                 f"{worker}: --model must be the trainer's start model {model}",
             )
             need(
-                opts.get("--metrics-port", [""])[-1] == str(WORKER_METRICS_PORT),
-                f"{worker}: --metrics-port must be {WORKER_METRICS_PORT}",
+                worker_metrics_port(worker) == str(WORKER_METRICS_PORT),
+                f"{worker}: the metrics port must be {WORKER_METRICS_PORT} (Prometheus scrapes it)",
             )
             need(
                 opts.get("--pool") == [cfg.run.pool] and opts.get("--run") == [cfg.run.name],
@@ -602,6 +659,46 @@ def dockerignore_allows(rel: str) -> bool:
     return allowed
 
 
+PIP_BUILD_ARGS = (
+    "PIP_INDEX_URL",
+    "PIP_EXTRA_INDEX_URL",
+    "PIP_FIND_LINKS",
+    "PIP_TRUSTED_HOST",
+    "PIP_CA_CERTS",
+)
+
+
+def check_dockerfile_builds_offline_ready() -> None:
+    """The Dockerfiles build with the classic builder and a site's package index: no `# syntax=`
+    line (BuildKit would fetch a frontend image), every pip install goes through
+    deploy/docker/pip-install.sh in a stage that declares the index build arguments, and the
+    compose builds pass those arguments on."""
+    for path in DOCKERFILES:
+        text = path.read_text(encoding="utf-8")
+        need(
+            not re.search(r"^#\s*syntax\s*=", text, re.M | re.I),
+            f"{path.name}: a `# syntax=` line needs a frontend image from a registry",
+        )
+        stage_args: set[str] = set()
+        for word, rest in dockerfile_instructions(path):
+            if word == "FROM":
+                stage_args = set()
+            elif word == "ARG":
+                stage_args.add(rest.partition("=")[0])
+            elif word == "RUN" and re.search(r"\bpip3? install\b", rest):
+                fail(f"{path.name}: `RUN {rest[:60]}...` bypasses pip-install (the build's index settings)")
+            elif word == "RUN" and "pip-install" in rest:
+                missing = [a for a in PIP_BUILD_ARGS if a not in stage_args]
+                need(not missing, f"{path.name}: a stage runs pip-install without ARG {', '.join(missing)}")
+    for name, svc in services().items():
+        if "build" in svc:
+            args = svc["build"].get("args") or {}
+            need(
+                set(PIP_BUILD_ARGS) <= set(args),
+                f"{name}: build args must pass {', '.join(PIP_BUILD_ARGS)} from the environment",
+            )
+
+
 def check_dockerfiles() -> None:
     need(len(DOCKERFILES) >= 4, "deploy/ must hold the pool, trainer, rollout and rollout-vllm Dockerfiles")
     names = {p.name for p in DOCKERFILES}
@@ -641,8 +738,21 @@ def check_dockerfiles() -> None:
         set(dockerfile_stages(DEPLOY / "trainer.Dockerfile")) >= {"cpu", "gpu"},
         "trainer.Dockerfile needs cpu and gpu targets",
     )
-    gpu_base = dockerfile_stages(DEPLOY / "trainer.Dockerfile")["gpu"]["from"]
-    need("cuda" in gpu_base, f"the trainer gpu target must start from a CUDA image, not {gpu_base}")
+    trainer = dockerfile_stages(DEPLOY / "trainer.Dockerfile")
+    for stage in ("gpu", "build-gpu"):
+        # one CUDA: PyPI's torch wheel brings its CUDA libraries, so no CUDA base image as well
+        need(
+            "cuda" not in trainer[stage]["from"].lower(),
+            f"trainer.Dockerfile {stage}: {trainer[stage]['from']} is a CUDA image, and PyPI torch "
+            "ships CUDA too: start from the Python image",
+        )
+    gpu_torch = [
+        rest for word, rest in dockerfile_instructions(DEPLOY / "trainer.Dockerfile") if "torch==" in rest
+    ]
+    need(
+        any("TORCH_CPU_INDEX" not in r for r in gpu_torch),
+        "the trainer gpu build must install PyPI's (CUDA) torch, not the CPU index's",
+    )
     text = (DEPLOY / "trainer.Dockerfile").read_text(encoding="utf-8")
     need("TORCH_VERSION=2.13.0" in text, "the trainer image must pin torch 2.13.0 (pyproject's train extra)")
     reqs = (DEPLOY / "rollout-vllm" / "requirements.txt").read_text(encoding="utf-8")
@@ -922,6 +1032,9 @@ def env_of(container: dict[str, Any]) -> dict[str, str]:
         elif "secretKeyRef" in e.get("valueFrom", {}):
             ref = e["valueFrom"]["secretKeyRef"]
             out[e["name"]] = k8s_one("Secret", ref["name"])["stringData"][ref["key"]]
+        elif "configMapKeyRef" in e.get("valueFrom", {}):
+            ref = e["valueFrom"]["configMapKeyRef"]
+            out[e["name"]] = k8s_one("ConfigMap", ref["name"])["data"][ref["key"]]
     return out
 
 
@@ -956,6 +1069,12 @@ def check_k8s_references() -> None:
                     need(
                         ref["key"] in k8s_one("Secret", ref["name"])["stringData"],
                         f"{res}: secret key {ref['key']} missing",
+                    )
+                ref = e.get("valueFrom", {}).get("configMapKeyRef")
+                if ref:
+                    need(
+                        ref["key"] in k8s_one("ConfigMap", ref["name"])["data"],
+                        f"{res}: ConfigMap key {ref['name']}/{ref['key']} missing",
                     )
             env = env_of(c)
             for a in k8s_argv(c):
@@ -994,7 +1113,7 @@ def check_k8s_pool() -> None:
         "pool pods migrate in an init container",
     )
     env = env_of(pool)
-    settings = pool_settings(env)
+    settings = example_pool_settings(env)
     need(settings.redis_url, "two API replicas need EXGRPO_REDIS_URL")
     need(not settings.auto_migrate, "the init container migrates: set EXGRPO_AUTO_MIGRATE=false")
     svc = k8s_one("Service", "exgrpo-pool")
@@ -1004,8 +1123,17 @@ def check_k8s_pool() -> None:
     )
     secret = k8s_one("Secret", "exgrpo-secrets")["stringData"]
     need(
-        {"EXGRPO_DATABASE_URL", "EXGRPO_REDIS_URL", "EXGRPO_TOKENS"} <= set(secret),
+        {"EXGRPO_DATABASE_URL", "EXGRPO_REDIS_URL", *SECRET_TOKENS} <= set(secret),
         "Secret lacks pool settings",
+    )
+    values = list(secret.values())
+    need(
+        len(values) == len(set(values)) and not any(v in w for v in values for w in values if v != w),
+        "each token is stored once in the Secret (the pool builds EXGRPO_TOKENS from them)",
+    )
+    need(
+        {g.token for g in settings.tokens} == {secret[k] for k in SECRET_TOKENS},
+        f"the pool's EXGRPO_TOKENS must be built from the Secret's {', '.join(SECRET_TOKENS)}",
     )
     for key, value in secret.items():
         need(
@@ -1023,6 +1151,9 @@ def check_k8s_pool() -> None:
         pool_settings(
             {key: k8s_one("ConfigMap", "exgrpo-pool-env")["data"][key], "EXGRPO_ALLOW_ANONYMOUS": "true"}
         )
+
+
+SECRET_TOKENS = ("EXGRPO_ADMIN_TOKEN", "EXGRPO_TRAINER_TOKEN", "EXGRPO_WORKER_TOKEN", "EXGRPO_READ_TOKEN")
 
 
 def check_k8s_storage() -> None:
@@ -1159,6 +1290,57 @@ def check_k8s_trainer() -> None:
     )
     check_worker_matches_trainer("k8s rollout", wargv, cfg)
     need(env.get("EXGRPO_TRAINER_METRICS_PORT") == str(TRAINER_METRICS_PORT), "trainer metrics port 9400")
+
+
+def strategic_merge(base: Any, patch: Any) -> Any:
+    """A strategic merge patch as kustomize applies it to these manifests: mappings merge, lists of
+    named items (containers, env, ports) merge by name, other lists are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for key, value in patch.items():
+            out[key] = strategic_merge(base[key], value) if key in base else value
+        return out
+    if (
+        isinstance(base, list)
+        and isinstance(patch, list)
+        and all(isinstance(x, dict) and "name" in x for x in base + patch)
+    ):
+        merged = {x["name"]: x for x in base}
+        for item in patch:
+            merged[item["name"]] = strategic_merge(merged.get(item["name"], {}), item)
+        return list(merged.values())
+    return patch
+
+
+def check_k8s_single_node_overlay() -> None:
+    """deploy/k8s/overlays/single-node: the base stack with the trainer on one node (one pod,
+    torchrun --standalone), its GPU limit equal to its processes; the result validates."""
+    folder = K8S / "overlays" / "single-node"
+    kz = yaml.safe_load((folder / "kustomization.yaml").read_text(encoding="utf-8"))
+    need(kz.get("resources") == ["../.."], "the single-node overlay builds on deploy/k8s (resources: ../..)")
+    patches = [folder / p["path"] for p in kz.get("patches", [])]
+    need(patches and all(p.is_file() for p in patches), "the single-node overlay's patch files must exist")
+    job = k8s_one("Job", "exgrpo-trainer")
+    for path in patches:
+        patch = yaml.safe_load(path.read_text(encoding="utf-8"))
+        need(
+            (patch["kind"], patch["metadata"]["name"]) == ("Job", "exgrpo-trainer"),
+            f"{path.name}: patches the trainer Job only",
+        )
+        job = strategic_merge(job, patch)
+    kv = py_module("kubernetes_validate")
+    kv.validate(job, K8S_VERSIONS[0], strict=True)
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    env = env_of(c)
+    need(env["NNODES"] == "1", "the single-node trainer runs NNODES=1")
+    need(job["spec"]["completions"] == job["spec"]["parallelism"] == 1, "one trainer pod: completions 1")
+    gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
+    need(
+        gpus == int(env["NPROC_PER_NODE"]) == int(c["resources"]["requests"]["nvidia.com/gpu"]),
+        "one trainer process per GPU of the node",
+    )
+    args, _ = parse_torchrun(launcher_argv({k: v for k, v in env.items() if not k.startswith("EXGRPO_")}, []))
+    need(args.standalone and args.nnodes == "1", "a single-node trainer starts torchrun --standalone")
 
 
 def check_k8s_optional_monitoring() -> None:
@@ -1580,12 +1762,13 @@ def module_names(module: str) -> set[str] | None:
 
 def started_commands() -> list[tuple[str, list[str], bool]]:
     """(where, argv, complete) of every command a Dockerfile CMD, compose service or manifest runs.
-    Dockerfile CMDs are defaults that deployments complete with --pool/--run: not complete."""
+    Every one is complete: the Dockerfile CMDs with the environment a deployment gives them
+    (IMAGE_ENV: a worker image's default command reads --pool/--run from it)."""
     out: list[tuple[str, list[str], bool]] = []
     for path in DOCKERFILES:
         for name, stage in final_stages(path).items():
             out.append(
-                (f"{path.name}:{name}", list(stage["entrypoint"] or []) + list(stage["cmd"] or []), False)
+                (f"{path.name}:{name}", list(stage["entrypoint"] or []) + list(stage["cmd"] or []), True)
             )
     for name, svc in services().items():
         if "build" in svc:
@@ -1595,6 +1778,9 @@ def started_commands() -> list[tuple[str, list[str], bool]]:
             out.append((f"k8s:{res}:{c['name']}", k8s_argv(c), True))
     return out
 
+
+IMAGE_ENV = {"EXGRPO_POOL": "math", "EXGRPO_RUN": "exgrpo-1"}
+"""What a deployment sets for an image's default command (docker-compose.yml, deploy/k8s)."""
 
 CONSOLE_PROBES = (
     ["exgrpo", "--help"],
@@ -1628,12 +1814,14 @@ def check_started_commands() -> None:
     errors = []
     seen = set()
     for where, argv, complete in started_commands():
+        env = IMAGE_ENV if ".Dockerfile:" in where else {}
         for w, kind, args in expand_command(argv, where):
-            key = (kind, tuple(args), complete)
+            key = (kind, tuple(args), complete, bool(env))
             if key in seen:
                 continue
             seen.add(key)
-            err = check_command(w, kind, args, complete)
+            with patched_environ(env):  # also: nothing of the caller's EXGRPO_* completes a command
+                err = check_command(w, kind, args, complete)
             if err:
                 errors.append(f"{w}: {err}")
     need(seen, "no command found to check")
@@ -1652,6 +1840,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "compose_env_example": check_compose_env_example,
     "compose_trainer_and_worker_settings": check_compose_trainer_and_worker_settings,
     "dockerfiles": check_dockerfiles,
+    "dockerfile_builds_offline_ready": check_dockerfile_builds_offline_ready,
     "healthcheck_script": check_healthcheck_script,
     "image_install": check_image_install,
     "trainer_launcher": check_trainer_launcher,
@@ -1662,6 +1851,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "k8s_storage": check_k8s_storage,
     "k8s_rollout": check_k8s_rollout,
     "k8s_trainer": check_k8s_trainer,
+    "k8s_single_node_overlay": check_k8s_single_node_overlay,
     "k8s_optional_monitoring": check_k8s_optional_monitoring,
     "prometheus_config": check_prometheus_config,
     "prometheus_targets": check_prometheus_targets,

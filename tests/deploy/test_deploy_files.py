@@ -153,3 +153,34 @@ def test_launcher_two_nodes_meet_at_the_rendezvous(backend: str) -> None:
     for node, out in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, out[-2000:]
         assert "--config FILE" in out
+
+
+def test_image_default_rollout_command_reads_pool_and_run_from_the_environment() -> None:
+    cmd = ["rollout", "--engine", "transformers"]
+    with dc.patched_environ({}):
+        missing = dc.check_command("t", "exgrpo", cmd, True)
+    with dc.patched_environ(dc.IMAGE_ENV):
+        complete = dc.check_command("t", "exgrpo", cmd, True)
+    assert missing is not None and "--pool" in missing
+    assert complete is None
+
+
+def test_placeholder_secrets_check_fails_when_they_are_accepted() -> None:
+    real = {
+        "EXGRPO_TOKENS": '[{"token": "0123456789abcdef-real", "scopes": ["admin"]}]',
+        "EXGRPO_DATABASE_URL": "postgresql+asyncpg://u:s3cret-value@db:5432/x",
+    }
+    with pytest.raises(dc.CheckError, match="accepts the example"):
+        dc.example_pool_settings(real)
+    placeholder = {**real, "EXGRPO_TOKENS": '[{"token": "REPLACE-ME-admin-token-0000", "scopes": ["admin"]}]'}
+    assert dc.example_pool_settings(placeholder).allow_example_secrets
+
+
+def test_strategic_merge_merges_named_items_and_replaces_the_rest() -> None:
+    base = {"spec": {"n": 2, "c": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["p", "q"]}]}}
+    patch = {"spec": {"n": 1, "c": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "args": ["r"]}]}}
+    merged = dc.strategic_merge(base, patch)
+    assert merged["spec"]["n"] == 1
+    (container,) = merged["spec"]["c"]
+    assert container["env"] == [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}]
+    assert container["args"] == ["r"]
