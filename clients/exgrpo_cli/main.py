@@ -179,6 +179,13 @@ def train(
     nproc: Annotated[
         int, typer.Option("--nproc", min=1, help="Processes (one per GPU); above 1 runs under torchrun.")
     ] = 1,
+    takeover: Annotated[
+        bool,
+        typer.Option(
+            "--takeover",
+            help="Take the run over from the trainer that owns it (run.takeover=true); that one stops.",
+        ),
+    ] = False,
     overrides: Annotated[
         list[str] | None,
         typer.Argument(
@@ -191,6 +198,7 @@ def train(
     """Train a policy against a pool (needs the train extra).
 
     --url/--token (EXGRPO_URL/EXGRPO_TOKEN) replace run.pool_url/run.token; KEY=VALUE wins over all.
+    A run another trainer owns is refused (exit status 3) unless --takeover.
     """
     if importlib.util.find_spec("torch") is None:
         raise ValueError("training needs the train extra: pip install 'exgrpo-stack[train]'")
@@ -198,7 +206,7 @@ def train(
 
     state = _state(ctx)
     given = ([f"run.pool_url={state.url}"] if state.url else []) + (["run.token=null"] if state.token else [])
-    items = given + list(overrides or [])
+    items = given + list(overrides or []) + (["run.takeover=true"] if takeover else [])
     cfg = load_config(config, items)  # fails here, before any process starts
     if state.token:
         os.environ["EXGRPO_TOKEN"] = state.token  # read by the trainer's client, kept off argv

@@ -123,7 +123,9 @@ def run_main_job(opts: MainJobOptions) -> Path:
                 evaluator.during(trainer)
             return spent
 
-        exgrpo_trainer.run_training(cfg, on_step=on_step)  # the trainer's modules load here
+        # the trainer's modules load here; on the job's client, the held-out accuracy it posts
+        # carries the run's writer lease that the trainer holds
+        exgrpo_trainer.run_training(cfg, client=client, on_step=on_step)
         elapsed = time.perf_counter() - started
         evals = evaluator.history
         facts = {

@@ -6,6 +6,9 @@ one process or under torchrun (`exgrpo train` uses the same functions).
 
 `--config` takes a YAML file or the name of a shipped recipe (exgrpo, grpo). Rank 0 prints the
 validated settings before training. A bad setting prints one line naming it and exits with status 1.
+A run that another trainer owns (refused at start, or taken over while training) and a checkpoint
+folder of another run print one line and exit with status 3; `--takeover` (run.takeover=true) takes
+the run from a live trainer.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FILE",
         default=None,
         help=f"YAML settings, or a shipped recipe name ({', '.join(recipes())}).",
+    )
+    parser.add_argument(
+        "--takeover",
+        action="store_true",
+        help="Take the run over from the trainer that owns it (run.takeover=true); that one stops.",
     )
     parser.add_argument(
         "overrides",
@@ -63,15 +71,21 @@ def run(cfg: TrainConfig) -> None:
         sys.stdout.flush()
 
     from exgrpo_trainer import dist
+    from exgrpo_trainer.checkpoint import CheckpointOwnerError
+    from exgrpo_trainer.ownership import EXIT_STATUS, RunOwnershipError
     from exgrpo_trainer.trainer import run_training
 
     try:
         run_training(cfg)
+    except (RunOwnershipError, CheckpointOwnerError) as e:
+        if rank == 0:
+            sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
+        raise SystemExit(EXIT_STATUS) from None
     finally:
         dist.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    run(read_config(args.config, args.overrides))
+    run(read_config(args.config, [*args.overrides, *(["run.takeover=true"] if args.takeover else [])]))
     return 0

@@ -38,7 +38,16 @@ class RunSection(_Section):
     steps: int = 100
     """Training steps to run (the run continues from the service's step when resumed)."""
     output_dir: Path = Path("exgrpo-data/runs/run-1")
-    """Run folder: config, metrics, checkpoints, published weights."""
+    """Run folder: config, metrics, checkpoints, published weights (checkpoints and published
+    weights in subfolders per pool and run, so runs may share the folder)."""
+    lease_ttl_s: float = Field(60.0, ge=1, le=3600)
+    """The run's writer lease lives this long without renewal; the trainer renews it every third
+    of that, and a crashed trainer's run is free again after it."""
+    takeover: bool = False
+    """Take the run even from a live trainer, which is fenced out: its next write is refused and it
+    stops (`exgrpo train --takeover`)."""
+    lease_wait_s: float = Field(0.0, ge=0)
+    """At start, wait up to this long for another trainer's lease to expire before giving up."""
 
 
 class ModelSection(_Section):

@@ -1,8 +1,10 @@
 """The trainer's session with its run on the pool service: attach, plan, commit, publish, metrics.
 
 Rank 0 holds the HTTP client; every method is called on every rank and returns the same value on
-all of them (rank 0 asks, the answer is broadcast). Retries follow the SDK client's retry policy:
-writes carry idempotency keys, so a retried plan or commit is applied once.
+all of them (rank 0 asks, the answer is broadcast; an error of rank 0 is raised on every rank).
+Retries follow the SDK client's retry policy: writes carry idempotency keys, so a retried plan or
+commit is applied once. The session owns the run while it is attached: it holds the run's writer
+lease (`ownership.RunLeaseKeeper`), which every write carries.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from typing import Any
 
 from exgrpo_client import Client
 from exgrpo_client import schemas as s
-from exgrpo_client.errors import NotFound
+from exgrpo_client.errors import Conflict, NotFound
 from exgrpo_trainer import dist
 from exgrpo_trainer.config import RunSection
+from exgrpo_trainer.ownership import RunLeaseKeeper, RunOwnershipError, new_holder_id
 from exgrpo_trainer.telemetry import RunMetricsSender
 
 log = logging.getLogger("exgrpo.trainer")
@@ -31,6 +34,14 @@ class RunState:
     """The run's latest published policy version."""
     created_at: datetime
     """When the service created the run (with the names, it tells runs of the same name apart)."""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """Rank 0's error, sent to the other ranks in place of an answer."""
+
+    message: str
+    ownership: bool
 
 
 class PoolSession:
@@ -57,17 +68,54 @@ class PoolSession:
         self._held: tuple[int, dict[str, float]] | None = None
         """The last step's late metrics, handed to the sender once the next plan is in: posted at
         the end of their step, they would queue at the service ahead of that plan."""
+        self.holder = new_holder_id()
+        """Who this trainer is to the service: the holder id of its run's writer lease."""
+        self.keeper: RunLeaseKeeper | None = None
+        """Rank 0, once attached: the run's writer lease."""
 
     def _main(self) -> Client:
         assert self.client is not None, "only rank 0 talks to the pool"
         return self.client
 
     def _on_main(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return dist.broadcast(fn(*args, **kwargs) if dist.is_main() else None)
+        """`fn`'s answer on rank 0, on every rank; rank 0's error is raised on every rank (as a
+        `RunOwnershipError` when it is one), so no rank waits for an answer that never comes."""
+        if not dist.active():
+            return fn(*args, **kwargs)
+        answer: Any = None
+        error: BaseException | None = None
+        if dist.is_main():
+            try:
+                answer = fn(*args, **kwargs)
+            except Exception as e:
+                error, answer = e, _Failed(str(e), isinstance(e, RunOwnershipError))
+        answer = dist.broadcast(answer)
+        if error is not None:
+            raise error
+        if isinstance(answer, _Failed):
+            if answer.ownership:
+                raise RunOwnershipError(answer.message)
+            raise RuntimeError(f"rank 0 failed: {answer.message}")
+        return answer
+
+    def _write(self, fn: Any) -> Any:
+        """A write of the run under its lease (rank 0): refused at once when the lease is lost;
+        a write refused with 409 because the lease had expired and was taken again is repeated
+        once; `RunOwnershipError` when another trainer took the run over."""
+        keeper = self.keeper
+        if keeper is not None:
+            keeper.raise_if_lost()
+        try:
+            return fn()
+        except Conflict as refused:
+            if keeper is None or not keeper.check(refused):
+                raise
+        return fn()
 
     # ------------------------------------------------------------------------------ the run
     def attach(self) -> RunState:
-        """The run's state on the pool, creating the run with this trainer's rules if missing."""
+        """The run's state on the pool, creating the run with this trainer's rules if missing, and
+        its writer lease (`RunOwnershipError` when another trainer owns the run)."""
         state: RunState = self._on_main(self._attach)
         return state
 
@@ -76,8 +124,11 @@ class PoolSession:
         try:
             run = client.get_run(cfg.pool, cfg.name)
         except NotFound:
-            run = client.create_run(cfg.pool, cfg.name, seed=cfg.seed, overrides=self.rules)
-            log.info("created run %s in pool %s", cfg.name, cfg.pool)
+            try:
+                run = client.create_run(cfg.pool, cfg.name, seed=cfg.seed, overrides=self.rules)
+                log.info("created run %s in pool %s", cfg.name, cfg.pool)
+            except Conflict:  # another trainer created it first: the lease decides who writes
+                run = client.get_run(cfg.pool, cfg.name)
         else:
             if run.overrides != self.rules or run.seed != cfg.seed:
                 log.warning(
@@ -88,15 +139,27 @@ class PoolSession:
                     run.overrides,
                     self.rules,
                 )
+        self.keeper = RunLeaseKeeper(
+            client,
+            cfg.pool,
+            cfg.name,
+            holder=self.holder,
+            ttl_s=cfg.lease_ttl_s,
+            takeover=cfg.takeover,
+            wait_s=cfg.lease_wait_s,
+        )
+        self.keeper.acquire()
+        run = client.get_run(cfg.pool, cfg.name)  # as its owner left it
         return RunState(step=run.step, policy_version=run.policy_version, created_at=run.created_at)
 
     def plan(self, *, create_tasks: bool) -> s.BatchPlan:
         """The next batch (every replayed question with all its candidates, for rescoring); then the
         previous step's late metrics go out in the background."""
         plan: s.BatchPlan = self._on_main(
+            self._write,
             lambda: self._main().plan_batch(
                 self.run.pool, self.run.name, candidates="all", create_tasks=create_tasks
-            )
+            ),
         )
         self._release_late_metrics()
         return plan
@@ -108,16 +171,21 @@ class PoolSession:
         answer carries the run's stats after the commit."""
         sent = {k: v for k, v in metrics.items() if math.isfinite(v)} if self.send_metrics else {}
         result: s.CommitResult = self._on_main(
+            self._write,
             lambda: self._main().commit_batch(
                 self.run.pool, plan.id, groups, policy_version=policy_version, metrics=sent, with_stats=True
-            )
+            ),
         )
         return result
 
     def publish(self, version: int, uri: str, step: int) -> None:
         """Register a policy version (weights already written where `uri` points)."""
-        if dist.is_main():
-            self._main().add_policy_version(self.run.pool, self.run.name, version=version, uri=uri, step=step)
+        self._on_main(
+            self._write,
+            lambda: self._main().add_policy_version(
+                self.run.pool, self.run.name, version=version, uri=uri, step=step
+            ),
+        )
 
     # -------------------------------------------------------------------- remote generation
     def batch_results(self, batch_id: str, wait: float) -> s.BatchResults:
@@ -160,13 +228,20 @@ class PoolSession:
             self._held = None
 
     def flush(self) -> None:
-        """Post what is held and queued, and stop the sender thread (a later step starts a new one)."""
+        """Post what is held and queued, and stop the sender thread (a later step starts a new one).
+        Nothing more is posted once the run's lease is lost."""
+        if self.keeper is not None and self.keeper.lost is not None:
+            self._held = None
         self._release_late_metrics()
         if self._sender is not None:
             sender, self._sender = self._sender, None
             sender.close()
 
     def close(self) -> None:
+        """Post what is left, give the run's lease back, close an own client."""
         self.flush()  # before the client it posts with
+        if self.keeper is not None:
+            keeper, self.keeper = self.keeper, None
+            keeper.close()
         if self.client is not None and self._owns_client:
             self.client.close()
