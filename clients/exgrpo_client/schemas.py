@@ -10,27 +10,34 @@ base64 of little-endian packed arrays (int32 ids, float32 log-probs), which is w
 from __future__ import annotations
 
 import base64
+import functools
+import math
+import types
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, Union, cast, get_args, get_origin
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     StringConstraints,
     TypeAdapter,
     ValidationError,
+    WithJsonSchema,
     model_validator,
 )
 
-Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 #: Steps and policy versions are 32-bit columns, row ids 64-bit: JSON integers are unbounded.
 Int32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
 RowId = Annotated[int, Field(ge=0, le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Weighting = Literal["normal", "linear", "sqrt", "linear_clip", "uniform"]
 Phase = Literal["on_policy", "mixed"]
 Sharing = Literal["per_run", "pooled", "shared_trajectories"]
@@ -44,8 +51,130 @@ TaskStatus = Literal["pending", "leased", "completed", "failed"]
 MAX_TOKENS_PER_TRAJECTORY = 65_536
 
 
+# ------------------------------------------------------------------------ text and free-form JSON
+# One rule for both storage backends: what Postgres cannot hold is refused on the wire (422 naming
+# the field), so SQLite, which would store it, answers the same.
+NUL_MESSAGE = "must not contain NUL characters (\\u0000): no database column holds them"
+NO_NUL_PATTERN = "^[^\\u0000]*$"
+#: How deep free-form JSON (question metadata) may nest.
+MAX_JSON_DEPTH = 32
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError(NUL_MESSAGE)
+    return value
+
+
+#: Every string field of a request: any text but NUL.
+Text = Annotated[str, AfterValidator(_no_nul), Field(json_schema_extra={"pattern": NO_NUL_PATTERN})]
+
+
+def _json_problem(value: Any) -> str | None:
+    """What makes a decoded JSON value unstorable (None when it is fine): a NUL in a string or a
+    key, a number that is not finite (NaN, Infinity and 1e400 are not JSON numbers; Postgres
+    refuses them and they would come back as invalid JSON), or nesting deeper than MAX_JSON_DEPTH."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        node, where, depth = stack.pop()
+        at = f" (at {where or 'the top'})"
+        if depth > MAX_JSON_DEPTH:
+            return f"nested deeper than {MAX_JSON_DEPTH} levels{at}"
+        if isinstance(node, str):
+            if "\x00" in node:
+                return NUL_MESSAGE + at
+        elif isinstance(node, float):
+            if not math.isfinite(node):
+                return f"numbers must be finite: NaN and infinities are not JSON{at}"
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                if not isinstance(k, str) or "\x00" in k:
+                    return f"keys must be strings without NUL characters{at}"
+                stack.append((v, f"{where}.{k}" if where else k, depth + 1))
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(node))
+        elif not (node is None or isinstance(node, bool | int)):
+            return f"not a JSON value: {type(node).__name__}{at}"
+    return None
+
+
+def _storable_json(value: dict[str, Any]) -> dict[str, Any]:
+    problem = _json_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+#: A free-form JSON object: any JSON, as long as a database can store it and give it back as JSON.
+JsonObject = Annotated[
+    dict[str, Any],
+    AfterValidator(_storable_json),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": NO_NUL_PATTERN},
+            "additionalProperties": True,
+            "description": "Free-form JSON: finite numbers, no NUL characters, at most "
+            f"{MAX_JSON_DEPTH} levels deep.",
+        }
+    ),
+]
+
+
+# ------------------------------------------------------------------------------------ integers
+def _int_shape(annotation: Any) -> str | None:
+    """'int' for a field typed int (or int | None), 'list' for list[int], else None."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) != 1:
+            return None
+        annotation = args[0]
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if annotation is int:
+        return "int"
+    if get_origin(annotation) is list:
+        (item,) = get_args(annotation)
+        return "list" if _int_shape(item) == "int" else None
+    return None
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False)
+
+    @classmethod
+    @functools.cache
+    def _int_fields(cls) -> dict[str, str]:
+        return {
+            name: shape
+            for name, field in cls.model_fields.items()
+            if (shape := _int_shape(field.annotation)) is not None
+        }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        """JSON Schema counts 3.0 as an integer, so an integer field takes it as 3 (never 3.5, "3"
+        or true): a body the published schema allows is not refused for it."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls._int_fields()
+        changed: dict[str, Any] | None = None
+        for name in fields.keys() & data.keys():
+            value = data[name]
+            if type(value) is float and value.is_integer():
+                new: Any = int(value)
+            elif fields[name] == "list" and isinstance(value, list) and any(type(v) is float for v in value):
+                new = [_integral(v) for v in value]
+            else:
+                continue
+            changed = dict(data) if changed is None else changed
+            changed[name] = new
+        return data if changed is None else changed
 
 
 def validation_summary(e: ValidationError, limit: int = 3) -> str:
@@ -75,11 +204,19 @@ class PoolConfig(Strict):
     """ExGRPO rules of a pool (spec sections 2-5). Runs may override the batch-level ones."""
 
     k: int = Field(8, ge=2, le=1024, description="Rollouts per question (group size K).")
-    lbound: int = Field(0, ge=0, description="Collect a group only when lbound < k.")
-    rbound: int | None = Field(None, ge=1, description="... and k <= rbound; default K-1.")
+    lbound: int = Field(
+        0, ge=0, le=1022, description="Collect a group only when lbound < k (and lbound < rbound)."
+    )
+    rbound: int | None = Field(
+        None, ge=1, le=1023, description="... and k <= rbound; at most K-1, the default."
+    )
     weighting: Weighting = Field("normal", description="Bucket weighting for replay sampling.")
-    mu: FiniteFloat | None = Field(None, description="Gaussian centre; default K/2 (count) or 0.5.")
-    sigma: FiniteFloat = Field(1.0, gt=0, description="Gaussian width in `unit`s.")
+    # The bounds of mu and sigma keep every bucket's Gaussian log-weight finite, so any set of
+    # non-empty buckets normalises (the service also checks the weights a config gives).
+    mu: FiniteFloat | None = Field(
+        None, ge=-1e6, le=1e6, description="Gaussian centre; default K/2 (count) or 0.5."
+    )
+    sigma: FiniteFloat = Field(1.0, ge=1e-6, le=1e6, description="Gaussian width in `unit`s.")
     unit: Literal["count", "accuracy"] = Field("count", description="Unit of mu and sigma.")
     experience_ratio: FiniteFloat = Field(0.5, ge=0, le=1, description="Share of replayed questions.")
     batch_size: int = Field(128, ge=1, le=65_536, description="Questions per training step (B).")
@@ -89,7 +226,9 @@ class PoolConfig(Strict):
         description="What the pool's runs share: per_run (nothing), pooled (buckets, retirement and "
         "trajectories) or shared_trajectories (trajectories; buckets and retirement per run).",
     )
-    active_refresh_margin: int = Field(20, ge=0, description="Epoch refresh needs > B + margin.")
+    active_refresh_margin: int = Field(
+        20, ge=0, le=2**31 - 1, description="Epoch refresh needs > B + margin."
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> PoolConfig:
@@ -104,11 +243,11 @@ class PoolConfig(Strict):
 class PoolCreate(Strict):
     name: Name
     config: PoolConfig = Field(default_factory=PoolConfig)
-    description: str = Field("", max_length=2000)
+    description: Text = Field("", max_length=2000)
 
 
 class PoolUpdate(Strict):
-    description: str | None = Field(None, max_length=2000)
+    description: Text | None = Field(None, max_length=2000)
     config: PoolConfig | None = None
 
 
@@ -132,15 +271,15 @@ class PoolsPublic(Strict):
 # ------------------------------------------------------------------------------------ questions
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = Field(max_length=200_000)
+    content: Text = Field(max_length=200_000)
 
 
 class QuestionCreate(Strict):
     prompt: list[ChatMessage] = Field(min_length=1, max_length=64)
-    ground_truth: str = Field(max_length=100_000)
-    data_source: str = Field("", max_length=256)
-    external_id: str | None = Field(None, max_length=256)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    ground_truth: Text = Field(max_length=100_000)
+    data_source: Text = Field("", max_length=256)
+    external_id: Text | None = Field(None, max_length=256)
+    metadata: JsonObject = Field(default_factory=dict)
 
 
 class QuestionsImport(Strict):
@@ -175,7 +314,7 @@ class QuestionsPublic(Strict):
 class Payload(Strict):
     """Token ids and per-token log-probs of one response, as lists or base64 packed arrays."""
 
-    token_ids: list[int] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
+    token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
     token_ids_b64: str | None = Field(None, description="base64 of little-endian int32 ids")
     logprobs: list[FiniteFloat] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
     logprobs_b64: str | None = Field(None, description="base64 of little-endian float32 log-probs")
@@ -192,7 +331,7 @@ class Payload(Strict):
 class RolloutResult(Payload):
     """One graded rollout of a group. Payload fields are required for correct rollouts only."""
 
-    token_ids: list[int] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
+    token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
     logprobs: list[FiniteFloat] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
     reward: FiniteFloat = Field(ge=-1e6, le=1e6)
     entropy: FiniteFloat | None = Field(None, ge=0, description="Mean token entropy of the response.")
@@ -214,7 +353,7 @@ class RolloutResult(Payload):
 class GroupResult(Strict):
     question_id: RowId
     rollouts: list[RolloutResult] = Field(min_length=1, max_length=1024)
-    replay_trajectory_id: int | None = Field(None, description="Stored trajectory used as row 0.")
+    replay_trajectory_id: RowId | None = Field(None, description="Stored trajectory used as row 0.")
 
 
 class TrajectoryPublic(Strict):
@@ -301,7 +440,7 @@ class RunLease(Strict):
 
 class PolicyVersionCreate(Strict):
     version: Int32
-    uri: str = Field(min_length=1, max_length=4096)
+    uri: Text = Field(min_length=1, max_length=4096)
     step: Int32 = 0
 
 
@@ -360,7 +499,7 @@ class BatchPlan(Strict):
 class BatchCommit(Strict):
     groups: list[GroupResult] = Field(min_length=1, max_length=65_536)
     policy_version: Int32 | None = None
-    metrics: dict[str, FiniteFloat] = Field(default_factory=dict)
+    metrics: dict[Text, FiniteFloat] = Field(default_factory=dict)
     with_stats: bool = Field(
         False, description="Answer with the run's stats after this commit (`CommitResult.stats`)."
     )
@@ -421,11 +560,11 @@ class SelectResult(Strict):
 class SamplingParams(Strict):
     temperature: FiniteFloat = Field(1.0, ge=0)
     top_p: FiniteFloat = Field(1.0, gt=0, le=1)
-    max_tokens: int = Field(8192, ge=1)
+    max_tokens: int = Field(8192, ge=1, le=2**31 - 1)
 
 
 class TaskClaim(Strict):
-    worker: str = Field(min_length=1, max_length=256)
+    worker: Text = Field(min_length=1, max_length=256)
     max_tasks: int = Field(1, ge=1, le=1024)
     lease_seconds: FiniteFloat = Field(120.0, gt=0, le=86_400)
 
@@ -453,18 +592,18 @@ class TasksPublic(Strict):
 
 
 class TaskRenew(Strict):
-    lease_token: str
+    lease_token: Text
     lease_seconds: FiniteFloat = Field(120.0, gt=0, le=86_400)
 
 
 class TaskComplete(Strict):
-    lease_token: str
+    lease_token: Text
     rollouts: list[RolloutResult] = Field(min_length=1, max_length=1024)
 
 
 class TaskFail(Strict):
-    lease_token: str
-    error: str = Field(max_length=4000)
+    lease_token: Text
+    error: Text = Field(max_length=4000)
     retry: bool = True
 
 
@@ -532,7 +671,7 @@ class RunMetricsCreate(Strict):
     a step merge with what the step already has."""
 
     step: Int32
-    metrics: dict[str, FiniteFloat] = Field(min_length=1, max_length=1000)
+    metrics: dict[Text, FiniteFloat] = Field(min_length=1, max_length=1000)
 
 
 class RunMetricsStep(Strict):
@@ -589,11 +728,11 @@ class PoolImported(Strict):
 class ExportHeader(Strict):
     type: Literal["header"] = "header"
     kind: Literal["exgrpo-pool-export"] = "exgrpo-pool-export"
-    format_version: int = 1
+    format_version: Int32 = 1
     pool: PoolCreate
-    num_questions: int
-    num_trajectories: int
-    num_runs: int
+    num_questions: RowId
+    num_trajectories: RowId
+    num_runs: RowId
 
 
 class ExportRun(Strict):
@@ -612,7 +751,7 @@ class ExportPolicyVersion(Strict):
     type: Literal["policy_version"] = "policy_version"
     run: RowId = Field(description="Id of the exported run (an earlier `run` record).")
     version: Int32
-    uri: str = Field(min_length=1, max_length=4096)
+    uri: Text = Field(min_length=1, max_length=4096)
     step: Int32 = 0
 
 

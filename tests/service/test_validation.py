@@ -125,7 +125,7 @@ async def test_bad_commits_are_refused_and_write_nothing(client: httpx.AsyncClie
             "negative token id",
             _with_rollout(body, token_ids_b64=None, logprobs_b64=None, token_ids=[-1], logprobs=[-0.5]),
             422,
-            ("token ids",),
+            ("token_ids", "greater than or equal to 0"),
         ),
         (
             "empty trajectory",

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from exgrpo_pool.domain import ExperienceRules, bucket_probs, bucket_weight
+from exgrpo_client.schemas import PoolConfig
+from exgrpo_pool.domain import ExperienceRules, bucket_probs, bucket_weight, check_weights
 
 TOL = 1e-6
 ALL_WEIGHTINGS = ["normal", "linear", "sqrt", "linear_clip", "uniform"]
@@ -243,3 +244,56 @@ def test_invalid_rules_raise_naming_the_field(kwargs: dict[str, object], field: 
 def test_boundary_rules_are_accepted() -> None:
     rules = ExperienceRules(k=2, lbound=0, rbound=1, experience_ratio=1.0, start_threshold=0.0, sigma=1e-3)
     assert rules.rbound_eff == 1
+
+
+# ------------------------------------------------------------------------- config validation
+@pytest.mark.parametrize(
+    "rules",
+    [
+        ExperienceRules(sigma=1e-200),  # 2 sigma^2 underflows to 0
+        ExperienceRules(mu=1e308),  # (k - mu)^2 overflows
+        ExperienceRules(sigma=1e-160),  # log-weights of every bucket but K/2 are -inf
+        ExperienceRules(unit="accuracy", sigma=1e-170),
+        ExperienceRules(mu=-1e200, sigma=1e-3),
+    ],
+    ids=["tiny-sigma", "huge-mu", "underflow", "accuracy-underflow", "far-mu"],
+)
+def test_check_weights_refuses_rules_the_sampler_cannot_weight(rules: ExperienceRules) -> None:
+    with pytest.raises(ValueError, match="mu and sigma"):
+        check_weights(rules)
+
+
+def test_check_weights_shows_the_defect_it_guards() -> None:
+    """Without the check these rules fail inside the sampler, on a later plan."""
+    with pytest.raises(ZeroDivisionError):
+        bucket_probs([1, 2], ExperienceRules(sigma=1e-200))
+    with pytest.raises(OverflowError):
+        bucket_probs([1, 2], ExperienceRules(mu=1e308))
+    with pytest.raises(ValueError, match="all bucket weights are zero"):
+        bucket_probs([1, 3], ExperienceRules(k=4, sigma=1e-160))
+
+
+_CONFIG = PoolConfig.model_json_schema()["properties"]
+_SIGMA = (_CONFIG["sigma"]["minimum"], _CONFIG["sigma"]["maximum"])
+_MU = next(b for b in _CONFIG["mu"]["anyOf"] if b.get("type") == "number")
+
+
+@given(
+    k=st.integers(2, 1024),
+    mu=st.none() | st.floats(_MU["minimum"], _MU["maximum"]),
+    sigma=st.floats(*_SIGMA),
+    unit=st.sampled_from(["count", "accuracy"]),
+    weighting=st.sampled_from(ALL_WEIGHTINGS),
+    data=st.data(),
+)
+def test_every_config_within_the_wire_bounds_passes_and_normalises(
+    k: int, mu: float | None, sigma: float, unit: str, weighting: str, data: st.DataObject
+) -> None:
+    """The wire bounds of mu and sigma (schemas.PoolConfig) are enough: any such config passes
+    the check, and any set of buckets then gets finite probabilities summing to 1."""
+    rules = ExperienceRules(k=k, mu=mu, sigma=sigma, unit=unit, weighting=weighting)  # type: ignore[arg-type]  # drawn from the literals
+    check_weights(rules)
+    keys = data.draw(st.sets(st.integers(1, k - 1), min_size=1, max_size=8))
+    probs = bucket_probs(keys, rules)
+    assert math.fsum(probs.values()) == pytest.approx(1.0, abs=1e-9)
+    assert all(math.isfinite(p) and p >= 0 for p in probs.values())

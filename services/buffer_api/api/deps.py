@@ -13,6 +13,7 @@ from fastapi import Depends, Header, Path, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from exgrpo_client.schemas import NAME_PATTERN
 from exgrpo_pool.errors import BadRequest, Forbidden, Unauthorized
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.leases import LeaseClaim, parse_lease_header
@@ -22,6 +23,11 @@ from exgrpo_pool.store.models import IdempotencyKey, Pool, utcnow
 
 #: A row id in a path: database ids are BIGINT, so larger numbers are a 422, not a database error.
 RowId = Annotated[int, Path(ge=0, le=2**63 - 1)]
+#: Names in a path follow the rule of names in a body, so a path no pool or run can have (a NUL
+#: character, a space) is a 422 before any lookup, on every backend.
+PoolName = Annotated[str, Path(pattern=NAME_PATTERN, description="A pool name.")]
+RunName = Annotated[str, Path(pattern=NAME_PATTERN, description="A run name of the pool.")]
+BatchId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="A batch id.")]
 
 
 @dataclass(frozen=True)
@@ -82,11 +88,11 @@ Reader = Annotated[Principal, Depends(require_read)]
 Admin = Annotated[Principal, Depends(require_admin)]
 
 
-async def readable_pool(pool: str, ctx: ContextDep, _: Reader) -> Pool:
+async def readable_pool(pool: PoolName, ctx: ContextDep, _: Reader) -> Pool:
     return await load_pool(ctx, pool)
 
 
-async def writable_pool(pool: str, ctx: ContextDep, principal: PrincipalDep) -> Pool:
+async def writable_pool(pool: PoolName, ctx: ContextDep, principal: PrincipalDep) -> Pool:
     if not principal.can_write(pool):
         raise Forbidden(
             f"{principal.name} may not write to pool {pool!r} (needs scope write:{pool}, write:* or admin)"

@@ -1,6 +1,6 @@
 """Pure domain rules of the ExGRPO experience pool (no I/O; stdlib and numpy only)."""
 
-from .buckets import bucket_probs, bucket_weight
+from .buckets import bucket_probs, bucket_weight, check_weights
 from .collection import GroupAction, GroupDecision, decide_group, dedup, is_correct, trajectory_key
 from .composition import Composition, compose_batch, next_phase, replay_target, solved_fraction
 from .epoch import epoch_order, refresh_active, take_fresh
@@ -19,6 +19,7 @@ __all__ = [
     "allocate_counts",
     "bucket_probs",
     "bucket_weight",
+    "check_weights",
     "compose_batch",
     "decide_group",
     "dedup",

@@ -27,6 +27,12 @@ def _gaussian_x(k: int, rules: ExperienceRules) -> float:
     return float(k) if rules.unit == "count" else k / rules.k
 
 
+def _log_weight(k: int, rules: ExperienceRules) -> float:
+    """Log of the unnormalised Gaussian weight of bucket ``k``, without the constant factor."""
+    sigma = rules.sigma
+    return -((_gaussian_x(k, rules) - rules.mu_eff) ** 2) / (2.0 * sigma * sigma)
+
+
 def bucket_weight(k: int, rules: ExperienceRules) -> float:
     """Unnormalised weight ``w(k)`` of bucket ``k`` under ``rules.weighting``.
 
@@ -70,9 +76,7 @@ def bucket_probs(nonempty: Iterable[int], rules: ExperienceRules) -> dict[int, f
     if not keys:
         raise ValueError("bucket_probs needs at least one non-empty bucket")
     if rules.weighting == "normal":
-        sigma = rules.sigma
-        mu = rules.mu_eff
-        log_w = [-((_gaussian_x(k, rules) - mu) ** 2) / (2.0 * sigma * sigma) for k in keys]
+        log_w = [_log_weight(k, rules) for k in keys]
         top = max(log_w)
         weights = [math.exp(lw - top) for lw in log_w]
     else:
@@ -81,3 +85,36 @@ def bucket_probs(nonempty: Iterable[int], rules: ExperienceRules) -> dict[int, f
     if not total > 0.0:
         raise ValueError(f"all bucket weights are zero for buckets {keys} under {rules.weighting!r}")
     return {k: w / total for k, w in zip(keys, weights, strict=True)}
+
+
+def check_weights(rules: ExperienceRules) -> None:
+    """Raise ``ValueError`` unless the replay sampler can weight every set of buckets.
+
+    Eligible questions sit in buckets ``1 .. K-1``. Each of them must get a finite, positive
+    weight (for ``normal``, a finite log-weight, since the probabilities are normalised in log
+    space): then every non-empty set of buckets has a positive, finite total and
+    :func:`bucket_probs` works for it. Finite ``mu`` and ``sigma`` are not enough on their own:
+    ``sigma = 1e-200`` divides by zero and ``mu = 1e308`` overflows.
+    """
+    keys = list(range(1, rules.k))
+    what = f"weighting {rules.weighting!r}"
+    if rules.weighting == "normal":
+        what += f" (mu = {rules.mu_eff!r}, sigma = {rules.sigma!r}, unit {rules.unit!r})"
+    try:
+        if rules.weighting == "normal":
+            bad = [k for k in keys if not math.isfinite(_log_weight(k, rules))]
+        else:
+            bad = [k for k in keys if not (math.isfinite(w := bucket_weight(k, rules)) and w > 0.0)]
+        if not bad:
+            probs = bucket_probs(keys, rules)
+            bad = [k for k, p in probs.items() if not math.isfinite(p)]
+    except ArithmeticError as e:  # ZeroDivisionError, OverflowError
+        raise ValueError(
+            f"{what} gives no usable bucket weights ({e}): choose mu and sigma so that "
+            "(k - mu)^2 / (2 sigma^2) stays finite for k in 1..K-1"
+        ) from e
+    if bad:
+        raise ValueError(
+            f"{what} gives buckets {bad} no finite positive weight: choose mu and sigma so that "
+            "(k - mu)^2 / (2 sigma^2) stays finite for k in 1..K-1"
+        )

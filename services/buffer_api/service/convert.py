@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.domain import ExperienceRules
+from exgrpo_pool.domain import ExperienceRules, check_weights
 from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.store.models import Batch, Pool, Question, Run, Trajectory, pool_scope
 
@@ -26,8 +26,22 @@ def run_overrides(run: Run) -> s.RunOverrides:
 
 
 def rules_for(pool: Pool, run: Run | None = None) -> ExperienceRules:
-    c = pool_config(pool)
-    o = run_overrides(run) if run is not None else s.RunOverrides()
+    return rules_of(pool_config(pool), run_overrides(run) if run is not None else None)
+
+
+def checked_config(config: s.PoolConfig) -> s.PoolConfig:
+    """The config, once the replay sampler has computed the bucket weights it gives (BadRequest
+    when they are not finite and normalisable): a config is refused where it is set (create,
+    PATCH, import), not found broken by every later plan."""
+    try:
+        check_weights(rules_of(config))
+    except ValueError as e:
+        raise BadRequest(f"config: {e}") from e
+    return config
+
+
+def rules_of(c: s.PoolConfig, o: s.RunOverrides | None = None) -> ExperienceRules:
+    o = s.RunOverrides() if o is None else o
     return ExperienceRules(
         k=c.k,
         lbound=c.lbound,

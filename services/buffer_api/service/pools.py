@@ -9,6 +9,7 @@ from exgrpo_pool.errors import Conflict, NotFound
 from exgrpo_pool.service.batches import _get_run, rebuild_index
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
+    checked_config,
     pool_config,
     pool_public,
     question_public,
@@ -41,7 +42,7 @@ async def create_pool(ctx: Context, req: s.PoolCreate) -> s.PoolPublic:
             pool = Pool(
                 name=req.name,
                 description=req.description,
-                config=req.config.model_dump(),
+                config=checked_config(req.config).model_dump(),
                 created_at=now,
                 updated_at=now,
             )
@@ -63,7 +64,7 @@ async def update_pool(ctx: Context, name: str, req: s.PoolUpdate) -> s.PoolPubli
                     "k and sharing cannot change after creation (stored groups and buckets "
                     "depend on them); create a new pool and import into it"
                 )
-            pool.config = req.config.model_dump()
+            pool.config = checked_config(req.config).model_dump()
         if req.description is not None:
             pool.description = req.description
         pool.updated_at = utcnow()

@@ -16,7 +16,14 @@ from exgrpo_client import schemas as s
 from exgrpo_pool.domain import trajectory_key
 from exgrpo_pool.errors import BadRequest, Conflict
 from exgrpo_pool.service.context import Context
-from exgrpo_pool.service.convert import messages, pool_config, question_row, run_overrides
+from exgrpo_pool.service.convert import (
+    checked_config,
+    decode_payload,
+    messages,
+    pool_config,
+    question_row,
+    run_overrides,
+)
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import PolicyVersion, Pool, Run, is_pool_scope, pool_scope, utcnow
 
@@ -112,6 +119,10 @@ class _Importer:
         self.runs: dict[int, int] = {}
         self.questions: dict[int, int] = {}
         self.pending_q: list[tuple[int, dict[str, Any]]] = []
+        # what must be unique in an export (the database's own constraints would answer a 500)
+        self.run_names: set[str] = set()
+        self.versions: set[tuple[int, int]] = set()
+        self.question_ids: set[int] = set()
         self.counts = {"questions": 0, "runs": 0, "states": 0, "trajectories": 0, "duplicates": 0}
 
     @property
@@ -144,7 +155,7 @@ class _Importer:
         self.created = Pool(
             name=name,
             description=h.pool.description,
-            config=h.pool.config.model_dump(),
+            config=checked_config(h.pool.config).model_dump(),
             created_at=now,
             updated_at=now,
         )
@@ -152,6 +163,11 @@ class _Importer:
         await self.session.flush()
 
     async def run(self, r: s.ExportRun) -> None:
+        if r.id in self.runs:
+            raise BadRequest(f"run id {r.id} comes twice")
+        if r.name in self.run_names:
+            raise BadRequest(f"run {r.name!r} comes twice: run names are unique in a pool")
+        self.run_names.add(r.name)
         now = utcnow()
         run = Run(
             pool_id=self.pool.id,
@@ -194,6 +210,10 @@ class _Importer:
         return self.questions[exported]
 
     def policy_version(self, pv: s.ExportPolicyVersion) -> None:
+        key = (self._run_id(pv.run), pv.version)
+        if key in self.versions:
+            raise BadRequest(f"policy version {pv.version} of run id {pv.run} comes twice")
+        self.versions.add(key)
         self.session.add(
             PolicyVersion(
                 run_id=self._run_id(pv.run), version=pv.version, uri=pv.uri, step=pv.step, created_at=utcnow()
@@ -201,6 +221,9 @@ class _Importer:
         )
 
     async def question(self, q: s.ExportQuestion) -> None:
+        if q.id in self.question_ids:
+            raise BadRequest(f"question id {q.id} comes twice")
+        self.question_ids.add(q.id)
         self.pending_q.append((q.id, question_row(self.pool.id, q, utcnow())))
         if len(self.pending_q) >= 1000:
             await self.flush_questions()
@@ -220,7 +243,23 @@ class _Importer:
         self.counts["questions"] += len(rows)
         self.pending_q = []
 
+    def _check_state(self, st: s.ExportState) -> None:
+        """What the service itself keeps true of a question's state (plans rely on it)."""
+        config = pool_config(self.pool)
+        k = config.k
+        if st.last_k > k:
+            raise BadRequest(f"state: last_k {st.last_k} is more than the pool's K = {k}")
+        if st.bucket is not None and not 1 <= st.bucket <= k - 1:
+            raise BadRequest(f"state: bucket {st.bucket} is not a bucket of this pool (1 to {k - 1})")
+        if st.retired and st.bucket is not None:
+            raise BadRequest("state: a retired question is in no bucket (bucket must be null)")
+        pooled = config.sharing == "pooled"
+        if pooled != (st.scope == 0):  # 0: the pool's shared scope in an export
+            need = "0 (the shared scope)" if pooled else "an exported run's id"
+            raise BadRequest(f"state: scope {st.scope} in a {config.sharing} pool; it must be {need}")
+
     async def state(self, st: s.ExportState) -> None:
+        self._check_state(st)
         await self.flush_questions()
         kind = "retire" if st.retired else ("collect" if st.bucket else "ignore")
         await repo.upsert_states(
@@ -244,10 +283,11 @@ class _Importer:
 
     async def trajectory(self, t: s.ExportTrajectory) -> None:
         await self.flush_questions()
-        ids = s.decode_ids(t.token_ids_b64)
-        lps = s.decode_logprobs(t.logprobs_b64)
-        if ids.size != lps.size:
-            raise BadRequest(f"trajectory: {ids.size} token ids but {lps.size} log-probs")
+        payload = s.Payload(token_ids_b64=t.token_ids_b64, logprobs_b64=t.logprobs_b64)
+        decoded = decode_payload(payload, "trajectory")  # the rules of a trajectory sent to the API
+        if decoded is None:  # pragma: no cover - both arrays are given
+            raise BadRequest("trajectory: no payload")
+        ids, lps = decoded
         source_run = None if t.source_run is None else self.runs.get(t.source_run)
         n = await repo.insert_trajectories(
             self.session,

@@ -7,25 +7,33 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, RowId, RunLeaseDep, WritePool
+from exgrpo_pool.api.deps import (
+    BatchId,
+    ContextDep,
+    IdempotencyDep,
+    ReadPool,
+    RowId,
+    RunLeaseDep,
+    WritePool,
+)
 from exgrpo_pool.service import batches, tasks
 
 router = APIRouter(prefix="/v1/pools/{pool}", tags=["batches"])
 
 
 @router.get("/batches/{batch_id}", response_model=s.BatchPlan)
-async def show_batch(batch_id: str, pool: ReadPool, ctx: ContextDep) -> s.BatchPlan:
+async def show_batch(batch_id: BatchId, pool: ReadPool, ctx: ContextDep) -> s.BatchPlan:
     return await batches.get_batch_plan(ctx, pool, batch_id)
 
 
 @router.get("/batches/{batch_id}/status", response_model=s.BatchStatusPublic)
-async def batch_status(batch_id: str, pool: ReadPool, ctx: ContextDep) -> s.BatchStatusPublic:
+async def batch_status(batch_id: BatchId, pool: ReadPool, ctx: ContextDep) -> s.BatchStatusPublic:
     return await tasks.batch_status(ctx, pool, batch_id)
 
 
 @router.post("/batches/{batch_id}/commit", response_model=s.CommitResult)
 async def commit_batch(
-    batch_id: str,
+    batch_id: BatchId,
     body: s.BatchCommit,
     pool: WritePool,
     ctx: ContextDep,
@@ -37,7 +45,7 @@ async def commit_batch(
 
 @router.get("/batches/{batch_id}/results", response_model=s.BatchResults)
 async def batch_results(
-    batch_id: str, pool: ReadPool, ctx: ContextDep, wait: Annotated[float, Query(ge=0, le=300)] = 0.0
+    batch_id: BatchId, pool: ReadPool, ctx: ContextDep, wait: Annotated[float, Query(ge=0, le=300)] = 0.0
 ) -> s.BatchResults:
     return await tasks.batch_results(ctx, pool, batch_id, wait)
 

@@ -41,7 +41,12 @@ async def create_pool(body: s.PoolCreate, ctx: ContextDep, who: PrincipalDep, id
 
 @router.post("/import", response_model=s.PoolImported, status_code=201)
 async def import_pool(
-    request: Request, ctx: ContextDep, _: Admin, name: Annotated[str | None, Query(max_length=128)] = None
+    request: Request,
+    ctx: ContextDep,
+    _: Admin,
+    name: Annotated[
+        str | None, Query(pattern=s.NAME_PATTERN, description="Import under this name instead.")
+    ] = None,
 ) -> s.PoolImported:
     return await transfer.import_pool(ctx, request.stream(), name)
 

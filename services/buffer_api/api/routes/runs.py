@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, RunLeaseDep, WritePool
+from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, RunLeaseDep, RunName, WritePool
 from exgrpo_pool.service import batches, leases, tasks
 from exgrpo_pool.service import pools as svc
 
@@ -25,26 +25,36 @@ async def list_runs(pool: ReadPool, ctx: ContextDep) -> s.RunsPublic:
 
 
 @router.get("/{run}", response_model=s.RunPublic)
-async def show_run(run: str, pool: ReadPool, ctx: ContextDep) -> s.RunPublic:
+async def show_run(run: RunName, pool: ReadPool, ctx: ContextDep) -> s.RunPublic:
     return await svc.show_run(ctx, pool, run)
 
 
 @router.patch("/{run}", response_model=s.RunPublic)
 async def update_run(
-    run: str, body: s.RunUpdate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep, lease: RunLeaseDep
+    run: RunName,
+    body: s.RunUpdate,
+    pool: WritePool,
+    ctx: ContextDep,
+    idem: IdempotencyDep,
+    lease: RunLeaseDep,
 ) -> object:
     return await idem.run(lambda: svc.update_run(ctx, pool, run, body, lease))
 
 
 @router.put("/{run}/lease", response_model=s.RunLease)
-async def acquire_lease(run: str, body: s.RunLeaseRequest, pool: WritePool, ctx: ContextDep) -> s.RunLease:
+async def acquire_lease(
+    run: RunName, body: s.RunLeaseRequest, pool: WritePool, ctx: ContextDep
+) -> s.RunLease:
     """Take, renew or take over the run's writer lease (409 while another holder's lease lives)."""
     return await leases.acquire(ctx, pool, run, body)
 
 
 @router.delete("/{run}/lease", status_code=204, response_class=Response)
 async def release_lease(
-    run: str, holder: Annotated[str, Query(min_length=1, max_length=200)], pool: WritePool, ctx: ContextDep
+    run: RunName,
+    holder: Annotated[str, Query(min_length=1, max_length=200)],
+    pool: WritePool,
+    ctx: ContextDep,
 ) -> Response:
     """Give the lease up (409 if `holder` does not hold it); the next holder gets the next generation."""
     await leases.release(ctx, pool, run, holder)
@@ -52,13 +62,13 @@ async def release_lease(
 
 
 @router.get("/{run}/stats", response_model=s.RunStats)
-async def run_stats(run: str, pool: ReadPool, ctx: ContextDep) -> s.RunStats:
+async def run_stats(run: RunName, pool: ReadPool, ctx: ContextDep) -> s.RunStats:
     return await svc.run_stats(ctx, pool, run)
 
 
 @router.post("/{run}/metrics", response_model=s.RunMetricsStep)
 async def post_run_metrics(
-    run: str,
+    run: RunName,
     body: s.RunMetricsCreate,
     pool: WritePool,
     ctx: ContextDep,
@@ -70,7 +80,7 @@ async def post_run_metrics(
 
 @router.get("/{run}/metrics", response_model=s.RunMetricsPublic)
 async def list_run_metrics(
-    run: str,
+    run: RunName,
     pool: ReadPool,
     ctx: ContextDep,
     after_step: Annotated[int, Query(ge=-1, le=2**31 - 1)] = -1,
@@ -81,7 +91,7 @@ async def list_run_metrics(
 
 @router.post("/{run}/policy-versions", response_model=s.PolicyVersionPublic, status_code=201)
 async def add_policy_version(
-    run: str,
+    run: RunName,
     body: s.PolicyVersionCreate,
     pool: WritePool,
     ctx: ContextDep,
@@ -92,13 +102,18 @@ async def add_policy_version(
 
 
 @router.get("/{run}/policy-versions", response_model=s.PolicyVersionsPublic)
-async def list_policy_versions(run: str, pool: ReadPool, ctx: ContextDep) -> s.PolicyVersionsPublic:
+async def list_policy_versions(run: RunName, pool: ReadPool, ctx: ContextDep) -> s.PolicyVersionsPublic:
     return await svc.list_policy_versions(ctx, pool, run)
 
 
 @router.post("/{run}/batches", response_model=s.BatchPlan, status_code=201)
 async def plan_batch(
-    run: str, body: s.BatchCreate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep, lease: RunLeaseDep
+    run: RunName,
+    body: s.BatchCreate,
+    pool: WritePool,
+    ctx: ContextDep,
+    idem: IdempotencyDep,
+    lease: RunLeaseDep,
 ) -> object:
     return await idem.run(
         lambda: batches.plan_batch(ctx, pool, run, body, lease),
@@ -110,7 +125,7 @@ async def plan_batch(
 
 @router.post("/{run}/ingest", response_model=s.CommitResult)
 async def ingest(
-    run: str,
+    run: RunName,
     body: s.IngestRequest,
     pool: WritePool,
     ctx: ContextDep,
@@ -121,12 +136,14 @@ async def ingest(
 
 
 @router.post("/{run}/select", response_model=s.SelectResult)
-async def select_replay(run: str, body: s.SelectRequest, pool: ReadPool, ctx: ContextDep) -> s.SelectResult:
+async def select_replay(
+    run: RunName, body: s.SelectRequest, pool: ReadPool, ctx: ContextDep
+) -> s.SelectResult:
     return await batches.select_replay(ctx, pool, run, body)
 
 
 @router.post("/{run}/tasks/claim", response_model=s.TasksPublic)
 async def claim_tasks(
-    run: str, body: s.TaskClaim, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+    run: RunName, body: s.TaskClaim, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
 ) -> object:
     return await idem.run(lambda: tasks.claim(ctx, pool, run, body))
