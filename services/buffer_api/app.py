@@ -20,6 +20,7 @@ from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from exgrpo_pool.api.contract import allowed_methods, install_openapi
 from exgrpo_pool.api.routes import batches, dashboard, docs, pools, runs
 from exgrpo_pool.config import Settings
 from exgrpo_pool.errors import PayloadTooLarge, ServiceError
@@ -63,7 +64,14 @@ def configure_logging(settings: Settings) -> None:
 
 
 # ------------------------------------------------------------------------------------ problems
-def problem(status: int, title: str, detail: str, request: Request, **extra: Any) -> JSONResponse:
+def problem(
+    status: int,
+    title: str,
+    detail: str,
+    request: Request,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> JSONResponse:
     body = {
         "type": "about:blank",
         "title": title,
@@ -73,7 +81,7 @@ def problem(status: int, title: str, detail: str, request: Request, **extra: Any
         "request_id": getattr(request.state, "request_id", None),
         **extra,
     }
-    return JSONResponse(body, status_code=status, media_type=PROBLEM)
+    return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
 
 
 def _validation_detail(errors: list[dict[str, Any]]) -> str:
@@ -102,6 +110,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         title = {404: "Not found", 405: "Method not allowed"}.get(exc.status_code, "HTTP error")
+        if exc.status_code == 405:
+            allow = ", ".join(allowed_methods(request.app, request.url.path))
+            detail = f"{request.method} is not allowed on {request.url.path}; it takes {allow}"
+            return problem(405, title, detail, request, headers={"Allow": allow})
         return problem(exc.status_code, title, str(exc.detail), request)
 
     @app.exception_handler(Exception)
@@ -341,4 +353,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(batches.router)
     app.include_router(dashboard.router)
     app.include_router(docs.router)
+    install_openapi(app)
     return app
