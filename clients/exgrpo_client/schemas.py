@@ -518,6 +518,11 @@ class CommitResult(Strict):
     stored_trajectories: int
     duplicate_trajectories: int
     bucket_moves: int
+    removed_trajectories: int = Field(
+        0,
+        description="Stored trajectories removed because their question retired in this request "
+        "(in the scope that owns them; never with sharing shared_trajectories).",
+    )
     stats: RunStats | None = Field(
         None,
         description="The run's stats as this commit left them (what GET .../stats would answer "
@@ -542,6 +547,12 @@ class IngestRequest(Strict):
     groups: list[GroupResult] = Field(min_length=1, max_length=65_536)
     policy_version: Int32 = 0
     step: Int32 | None = None
+    prefill: bool = Field(
+        False,
+        description="Collect even while the run is on_policy (pre-fill the pool before the delayed "
+        "start). Without it ingest follows the run's phase like a commit: retirement always, "
+        "collection in the mixed phase only.",
+    )
 
 
 class SelectRequest(Strict):

@@ -232,9 +232,12 @@ class Scope:
 class Model:
     """Spec 2-3 applied to the same groups the service gets: retire on k = K in every phase; in the
     mixed phase collect 0 < k < K (bucket k, store the correct non-replayed rollouts, de-duplicated
-    per question); k = 0 keeps the old bucket; a retired question never comes back."""
+    per question); k = 0 keeps the old bucket; a retired question never comes back, and its
+    trajectories are removed at the end of the request (`drop_retired`; not with shared
+    trajectories, which other runs still replay)."""
 
     k: int = K
+    drop_retired: bool = True
     scopes: dict[str, Scope] = field(default_factory=dict)
     trajectories: set[tuple[int, tuple[int, ...]]] = field(default_factory=set)
 
@@ -243,6 +246,7 @@ class Model:
 
     def apply(self, scope: str, body: dict[str, Any], *, collect: bool) -> None:
         sc = self.scope(scope)
+        retired: set[int] = set()
         for g in body["groups"]:
             qid = g["question_id"]
             correct = [r for r in g["rollouts"] if r["reward"] == 1.0]
@@ -251,9 +255,12 @@ class Model:
             if n == self.k:
                 sc.retired.add(qid)
                 sc.bucket.pop(qid, None)
+                retired.add(qid)
             elif collect and 0 < n < self.k:
                 if qid not in sc.retired:
                     sc.bucket[qid] = n
                 for r in correct:
                     if not r.get("replayed"):
                         self.trajectories.add((qid, payload_of(r)[0]))
+        if self.drop_retired:
+            self.trajectories = {t for t in self.trajectories if t[0] not in retired}

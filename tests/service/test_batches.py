@@ -204,10 +204,10 @@ async def test_only_mixed_phase_collects(client: httpx.AsyncClient) -> None:
     assert stats["buckets"] == [] and stats["eligible"] == 0 and stats["seen"] == B
     assert (await pool_stats(client))["num_trajectories"] == 0
 
-    # a run with experience disabled never replays, even in the mixed phase
-    await create_run(client, "p1", "plain", phase="mixed", experience=False)
+    # a run with experience disabled never replays; it cannot be mixed (test_run_rules.py)
+    await create_run(client, "p1", "plain", experience=False)
     p = await plan_batch(client, run="plain")
-    assert p["phase"] == "on_policy"
+    assert p["phase"] == "on_policy" and p["replay"] == []
 
 
 def _reward_fn(step: int, replayed: set[int]) -> Any:

@@ -106,7 +106,8 @@ async def test_what_each_mode_shares_between_the_runs_of_a_pool(client: httpx.As
     # retirement by r1: shared only by pooled; a retired question's trajectories are removed from
     # the scope that owns them (the spec never replays them), except where other runs still replay
     # them (shared_trajectories)
-    await _ingest(client, "p1", "r1", [group(q, [1, 1, 1, 1], _tokens(1))])
+    retired = await _ingest(client, "p1", "r1", [group(q, [1, 1, 1, 1], _tokens(1))])
+    assert retired["removed_trajectories"] == {"per_run": 2, "pooled": 3, "shared_trajectories": 0}[mode]
     s1, s2 = await run_stats(client, "p1", "r1"), await run_stats(client, "p1", "r2")
     assert s1["retired"] == 1
     assert s2["retired"] == (1 if mode == "pooled" else 0)

@@ -87,7 +87,7 @@ async def test_two_runs_training_on_one_pool_follow_their_own_rules(client: http
     """Plan/commit loops of two runs (same seed, so they see the same questions) with different
     outcomes: the states of each run follow its own groups, the trajectories are pooled."""
     await setup_pool(client, runs=("r1", "r2"), phase="mixed", questions=16, sharing="shared_trajectories")
-    model = Model()
+    model = Model(drop_retired=False)  # shared trajectories outlive a run's retirement
     for step in range(1, 5):
         outcomes = (("r1", lambda q, s=step: (q + s) % (K + 1)), ("r2", lambda q, s=step: (q * 3 + s) % K))
         for run, k_of in outcomes:
@@ -144,7 +144,7 @@ async def _concurrent_training(clients: list[httpx.AsyncClient], steps: int = 4)
     for run, seed in (("r1", 1), ("r2", 2)):
         ok(await a.post("/v1/pools/p1/runs", json={"name": run, "seed": seed, "phase": "mixed"}), 201)
     all_q = [q["id"] for q in ok(await a.get("/v1/pools/p1/questions", params={"limit": 1000}))["data"]]
-    model = Model()
+    model = Model(drop_retired=False)  # shared trajectories outlive a run's retirement
     run_client = {"r1": a, "r2": b}
     # the same (question, row) always yields the same tokens, whichever run or producer sends it,
     # so concurrent transactions insert the same trajectories

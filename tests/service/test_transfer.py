@@ -60,7 +60,7 @@ async def _train(
 
 # ------------------------------------------------------------------------------ ingest/select
 async def test_ingest_applies_the_collection_rules(client: httpx.AsyncClient) -> None:
-    await setup_pool(client)  # on-policy: ingest collects anyway
+    await setup_pool(client)  # on-policy: ingest collects only when pre-filling
     q0, q1, q2, q3 = await _first_ids(client, 4)
     with_entropy = group(q1, [1, 1, 1, 0])
     for row, ent in zip(with_entropy["rollouts"], [0.9, 0.2, 0.5, 0.1], strict=True):
@@ -75,6 +75,7 @@ async def test_ingest_applies_the_collection_rules(client: httpx.AsyncClient) ->
         ],
         "step": 7,
         "policy_version": 3,
+        "prefill": True,
     }
     r = ok(await client.post("/v1/pools/p1/runs/r1/ingest", json=body))
     assert r["batch_id"] is None and r["run"] == "r1" and r["step"] == 0 and r["switched"] is False
@@ -114,7 +115,7 @@ async def test_ingest_applies_the_collection_rules(client: httpx.AsyncClient) ->
 
 
 async def test_select_is_seeded_and_bounded(client: httpx.AsyncClient) -> None:
-    await setup_pool(client, questions=16)
+    await setup_pool(client, questions=16, phase="mixed")
     ids = await _first_ids(client, 12)
     groups = [group(q, [1.0 if row <= i % 3 else 0.0 for row in range(K)]) for i, q in enumerate(ids)]
     ok(await client.post("/v1/pools/p1/runs/r1/ingest", json={"groups": groups}))

@@ -151,7 +151,8 @@ async def test_full_training_steps(client: AsyncClient) -> None:
 
     stats = await client.run_stats("math", "r1")
     assert stats.step == 4 and stats.phase == "mixed"
-    assert stats.trajectories == sum(r.stored_trajectories for _, r in results)
+    # a retirement removes the retired question's trajectories (spec 3.3)
+    assert stats.trajectories == sum(r.stored_trajectories - r.removed_trajectories for _, r in results)
     assert sum(bucket.questions for bucket in stats.buckets) == stats.eligible > 0
     pool_stats = await client.pool_stats("math")
     assert pool_stats.num_questions == distinct and pool_stats.runs == [stats]

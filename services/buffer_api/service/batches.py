@@ -82,9 +82,17 @@ async def _epoch(ctx: Context, session: AsyncSession, run: Run) -> np.ndarray | 
 
 
 async def _draw_fresh(
-    ctx: Context, session: AsyncSession, pool: Pool, run: Run, rules: ExperienceRules, scope: int
+    ctx: Context,
+    session: AsyncSession,
+    pool: Pool,
+    run: Run,
+    rules: ExperienceRules,
+    scope: int,
+    *,
+    experience: bool,
 ) -> np.ndarray:
-    """The next B questions of the run's epoch order (a new epoch starts when fewer remain)."""
+    """The next B questions of the run's epoch order (a new epoch starts when fewer remain). A GRPO
+    run (no experience) keeps every question in its epochs, whatever other runs retired."""
     size = rules.batch_size
     order = await _epoch(ctx, session, run)
     nxt = take_fresh(order, run.cursor, size) if order is not None else None
@@ -96,7 +104,8 @@ async def _draw_fresh(
                 "import more questions or plan with a smaller batch_size"
             )
         previous = None if order is None else np.sort(order)
-        active = refresh_active(all_ids, await repo.retired_ids(session, scope), previous, rules)
+        retired = await repo.retired_ids(session, scope) if experience else np.empty(0, dtype=np.int64)
+        active = refresh_active(all_ids, retired, previous, rules)
         run.epoch += 1
         order = epoch_order(active, seed=run.seed, epoch=run.epoch)
         await repo.put_epoch(session, run.id, run.epoch, order)
@@ -255,7 +264,7 @@ async def plan_batch(
         experience = run_overrides(run).experience
         phase = run.phase if experience else "on_policy"
         comp = compose_batch(sum(sizes.values()), rules, phase=phase)
-        drawn = await _draw_fresh(ctx, session, pool, run, rules, scope)
+        drawn = await _draw_fresh(ctx, session, pool, run, rules, scope, experience=experience)
         fresh = [int(q) for q in drawn[: rules.batch_size - comp.num_replay]]
         rng = make_rng(run.seed, step, "replay")
         picks = await _pick_replay(ctx, session, scopes, sizes, comp.num_replay, rules, rng, req.candidates)
@@ -387,6 +396,7 @@ async def commit_batch(
             rules=rules,
             groups=req.groups,
             collect=batch.phase == "mixed",
+            experience=run_overrides(run).experience,
             step=batch.step,
             policy_version=version,
         )
@@ -439,6 +449,7 @@ def _result(batch_id: str | None, run: Run, solved: float, switched: bool, a: Ap
         stored_trajectories=a.stored,
         duplicate_trajectories=a.duplicates,
         bucket_moves=a.bucket_moves,
+        removed_trajectories=a.removed,
     )
 
 
@@ -452,8 +463,8 @@ def _count(ctx: Context, pool: Pool, a: Applied) -> None:
 async def ingest(
     ctx: Context, pool: Pool, run_name: str, req: s.IngestRequest, lease: LeaseClaim | None = None
 ) -> s.CommitResult:
-    """Graded groups from a producer outside the trainer: the collection rules apply whatever the
-    run's phase (the delayed start only gates the trainer's own batches)."""
+    """Graded groups from a producer outside the trainer, under the rules of a commit: retirement
+    in both phases, collection in the mixed phase only, or also before it with `prefill`."""
     qids = sorted({g.question_id for g in req.groups})
     async with ctx.db.write() as session:
         run = await run_for_write(session, pool, run_name, lease)
@@ -461,6 +472,12 @@ async def ingest(
         missing = [q for q in qids if q not in found or found[q].pool_id != pool.id]
         if missing:
             raise BadRequest(f"question ids {missing[:20]} are not in pool {pool.name!r}")
+        experience = run_overrides(run).experience
+        if req.prefill and not experience:
+            raise BadRequest(
+                f"run {run.name!r} is plain GRPO (experience=false) and keeps no experience: "
+                "pre-fill through a run with experience"
+            )
         scopes = scopes_of(pool, run)
         applied = await apply_groups(
             session,
@@ -469,7 +486,8 @@ async def ingest(
             scopes=scopes,
             rules=rules_for(pool, run),
             groups=req.groups,
-            collect=True,
+            collect=run.phase == "mixed" or req.prefill,
+            experience=experience,
             step=run.step if req.step is None else req.step,
             policy_version=req.policy_version,
         )

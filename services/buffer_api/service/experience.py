@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.domain import ExperienceRules, GroupAction, decide_group, trajectory_key
+from exgrpo_pool.domain import ExperienceRules, GroupAction, GroupDecision, decide_group, trajectory_key
 from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.index.base import Move
 from exgrpo_pool.service.convert import RunScopes, decode_payload
@@ -24,6 +24,7 @@ class Applied:
     stored: int = 0
     duplicates: int = 0
     bucket_moves: int = 0
+    removed: int = 0
     moves: list[Move] = field(default_factory=list)
 
 
@@ -63,12 +64,16 @@ async def apply_groups(
     collect: bool,
     step: int,
     policy_version: int,
+    experience: bool = True,
 ) -> Applied:
     """Retire, bucket and store in the caller's transaction. Validates everything before the first
     write, so a bad request changes nothing (and the transaction rolls back on any error anyway).
 
     States go to `scopes.state`, trajectories to `scopes.trajectories` (de-duplicated there); a
-    retirement removes the question's trajectories where the retiring scope owns them."""
+    retirement removes the question's trajectories where the retiring scope owns them.
+
+    `experience=False` (a GRPO run): nothing is retired or collected, and a shared state scope is
+    left alone (the run's own scope still records each question's latest k)."""
     scope = scopes.state
     check_group_sizes(groups, rules)
     out = Applied()
@@ -77,6 +82,8 @@ async def apply_groups(
     now = utcnow()
     for gi, g in enumerate(groups):
         decision = decide_group([r.reward for r in g.rollouts], rules, collect=collect)
+        if not experience:
+            decision = GroupDecision(GroupAction.IGNORE, decision.num_correct, None, ())
         final = finals.setdefault(g.question_id, _Final(last_k=decision.num_correct))
         final.last_k = decision.num_correct
         if decision.action == GroupAction.RETIRE:
@@ -126,6 +133,8 @@ async def apply_groups(
         # serialised by its run's row lock): one writer at a time, or two requests touching the
         # same questions in different orders deadlock on Postgres.
         await repo.lock_pool(session, pool_id)
+    if not experience and is_pool_scope(scope):
+        finals.clear()
     old = await repo.get_states(session, scope, list(finals))
     by_kind: dict[str, list[dict[str, Any]]] = {"collect": [], "retire": [], "ignore": []}
     for qid, f in finals.items():
@@ -160,5 +169,5 @@ async def apply_groups(
     out.duplicates = candidates - out.stored
     if scopes.drops_retired and by_kind["retire"]:
         retired = [r["question_id"] for r in by_kind["retire"]]
-        await repo.delete_trajectories(session, scopes.trajectories, retired)
+        out.removed = await repo.delete_trajectories(session, scopes.trajectories, retired)
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy.exc import IntegrityError
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.errors import Conflict, NotFound
+from exgrpo_pool.errors import BadRequest, Conflict, NotFound
 from exgrpo_pool.service.batches import _get_run, rebuild_index
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
@@ -14,6 +14,7 @@ from exgrpo_pool.service.convert import (
     pool_public,
     question_public,
     question_row,
+    run_overrides,
     run_public,
     scope_of,
     trajectory_public,
@@ -136,7 +137,16 @@ async def question_detail(ctx: Context, pool: Pool, qid: int, *, payload: bool) 
 
 
 # -------------------------------------------------------------------------------------- runs
+def _check_phase(name: str, phase: s.Phase, overrides: s.RunOverrides) -> None:
+    if phase == "mixed" and not overrides.experience:
+        raise BadRequest(
+            f"run {name!r}: a run with experience=false is plain on-policy GRPO and stays on_policy; "
+            "give it phase on_policy, or experience=true for a mixed run"
+        )
+
+
 async def create_run(ctx: Context, pool: Pool, req: s.RunCreate) -> s.RunPublic:
+    _check_phase(req.name, req.phase, req.overrides)
     try:
         async with ctx.db.write() as session:
             if await repo.get_run(session, pool.id, req.name) is not None:
@@ -180,6 +190,7 @@ async def update_run(
 ) -> s.RunPublic:
     async with ctx.db.write() as session:
         run = await run_for_write(session, pool, name, lease)
+        _check_phase(run.name, req.phase or run.phase, req.overrides or run_overrides(run))
         if req.phase is not None and req.phase != run.phase:
             run.phase = req.phase
             run.switched_at_step = run.step if req.phase == "mixed" else None
