@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,23 @@ def parity(response: str, ground_truth: str) -> Grade:
 
 PARITY = f"{__name__}:parity"
 """The grader setting for `parity` (a dotted-path plug-in)."""
+
+HOLD_ENV = "EXGRPO_TEST_HOLD"
+
+
+def held_parity(response: str, ground_truth: str) -> Grade:
+    """`parity`, held while the file named by $EXGRPO_TEST_HOLD exists (5 minutes at most), so a
+    test can keep a trainer inside a step; the first call creates `<that file>.reached`."""
+    hold = os.environ.get(HOLD_ENV)
+    if hold:
+        Path(f"{hold}.reached").touch()
+        end = time.monotonic() + 300
+        while Path(hold).exists() and time.monotonic() < end:
+            time.sleep(0.05)
+    return parity(response, ground_truth)
+
+
+HELD_PARITY = f"{__name__}:held_parity"
 
 
 def make_pool(

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,12 +26,9 @@ import redis
 from exgrpo_pool.store import db as dbmod
 from exgrpo_pool.store.models import Base
 
-from .harness import Backend, serve
-
-PG_HOST = os.environ.get("EXGRPO_TEST_PG_HOST", "127.0.0.1")
-PG_PORT = int(os.environ.get("EXGRPO_TEST_PG_PORT", "5432"))
-PG_USER = os.environ.get("EXGRPO_TEST_PG_USER", "postgres")
-REDIS_URL = os.environ.get("EXGRPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+from .harness import PG_HOST, PG_PORT, PG_USER, REDIS_URL, Backend, serve
+from .harness import delete_prefix as _delete_prefix
+from .harness import pg_admin as _pg_admin
 
 T = TypeVar("T")
 
@@ -50,14 +46,6 @@ def _unreachable(what: str, where: str, err: BaseException) -> NoReturn:
         f"tests need it running (CI starts it); to run only the SQLite backend use -m 'not postgres'",
         pytrace=False,
     )
-
-
-async def _pg_admin(sql: str) -> None:
-    conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres", timeout=5)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 @pytest.fixture(scope="session")
@@ -101,12 +89,6 @@ async def _truncate(url: str) -> None:
         await conn.execute(f"TRUNCATE {tables} RESTART IDENTITY CASCADE")
     finally:
         await conn.close()
-
-
-def _delete_prefix(client: redis.Redis, prefix: str) -> None:
-    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-    if keys:
-        client.delete(*keys)
 
 
 @pytest.fixture(

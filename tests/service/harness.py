@@ -3,15 +3,40 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 import httpx
+import redis
 from asgi_lifespan import LifespanManager
 
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import Settings, TokenGrant
+
+PG_HOST = os.environ.get("EXGRPO_TEST_PG_HOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("EXGRPO_TEST_PG_PORT", "5432"))
+PG_USER = os.environ.get("EXGRPO_TEST_PG_USER", "postgres")
+REDIS_URL = os.environ.get("EXGRPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+async def pg_admin(sql: str) -> None:
+    """One statement on the Postgres server's `postgres` database (CREATE / DROP DATABASE)."""
+    conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres", timeout=5)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def delete_prefix(client: redis.Redis, prefix: str) -> None:
+    """Every Redis key of a service that used this key prefix."""
+    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+
 
 ADMIN_TOKEN = "test-admin-token-0000000001"
 READ_TOKEN = "test-read-token-00000000002"
