@@ -1,10 +1,12 @@
 """Run ownership: a trainer holds its run's writer lease while it trains. A second trainer with the
 same run name is refused with an error naming the holder and how to take over; an explicit
 take-over fences the first one out at its next write; a trainer that stops cleanly gives the run
-back, so the next one resumes it; the lease is renewed in the background while a step runs."""
+back, so the next one resumes it; the lease is renewed in the background while a step runs; a
+trainer of two ranks that is fenced out stops on both (rank 0's refusal reaches rank 1)."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,16 @@ from exgrpo_trainer.config import TrainConfig
 from exgrpo_trainer.ownership import RunOwnershipError
 from exgrpo_trainer.trainer import Trainer, run_training
 
-from ._helpers import make_pool, read_metrics, run_config
+from ._helpers import (
+    HELD_PARITY,
+    HOLD_ENV,
+    child_env,
+    make_pool,
+    read_metrics,
+    run_config,
+    run_overrides,
+    torchrun,
+)
 
 
 def _config(url: str, pool: str, model: Path, out: Path, *overrides: str) -> TrainConfig:
@@ -99,3 +110,38 @@ def test_the_lease_is_renewed_while_a_step_runs(
         assert len(refusals) == 2 and all(trainer.session.holder in r for r in refusals)
         # given back at the end: free for anyone
         assert client.acquire_run_lease(pool_name, "shared", "intruder", ttl_s=5).holder == "intruder"
+
+
+@pytest.mark.timeout(300)
+def test_a_fenced_trainer_of_two_ranks_stops_on_both(
+    live_server: Any, pool_name: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    url = live_server.url
+    hold = tmp_path / "hold"
+    hold.touch()
+    with Client(url) as client:
+        make_pool(client, pool_name)
+        settings = run_overrides(
+            url, pool_name, tiny_model, tmp_path / "out", "run.name=shared", "run.steps=3",
+            f"rollout.grader={HELD_PARITY}",
+        )  # fmt: skip
+        env = {**child_env(), HOLD_ENV: str(hold)}
+        command = torchrun(2, "-m", "exgrpo_trainer", *settings)
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 180
+            while not Path(f"{hold}.reached").exists():  # rank 0 grades its first step
+                assert proc.poll() is None and time.monotonic() < deadline, "the trainer never reached a step"
+                time.sleep(0.1)
+            client.acquire_run_lease(pool_name, "shared", "operator", ttl_s=60, takeover=True)
+            hold.unlink()
+            output, _ = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        text = output.decode(errors="replace")
+        assert proc.returncode != 0, text[-3000:]
+        assert text.count("error: this trainer") == 1, "rank 0 says it, once"
+        assert "no longer owns run shared" in text and "operator" in text
+        assert client.get_run(pool_name, "shared").step == 0, "the fenced step was not committed"
