@@ -146,6 +146,14 @@ def _integral(value: Any) -> Any:
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False)
 
+
+class Incoming(Strict):
+    """A model of what clients send (request bodies, export records). JSON Schema counts 3.0 as an
+    integer, so its integer fields take 3.0 as 3 (never 3.5, "3" or true): a body the published
+    schema allows is not refused for it. (Answers stay plain `Strict`: a model validator makes
+    pydantic check the model's fields as Python values, which a datetime field in strict mode
+    refuses when it comes as JSON text.)"""
+
     @classmethod
     @functools.cache
     def _int_fields(cls) -> dict[str, str]:
@@ -158,8 +166,6 @@ class Strict(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _integral_floats(cls, data: Any) -> Any:
-        """JSON Schema counts 3.0 as an integer, so an integer field takes it as 3 (never 3.5, "3"
-        or true): a body the published schema allows is not refused for it."""
         if not isinstance(data, dict):
             return data
         fields = cls._int_fields()
@@ -200,7 +206,7 @@ class Problem(BaseModel):
 
 
 # --------------------------------------------------------------------------------------- pools
-class PoolConfig(Strict):
+class PoolConfig(Incoming):
     """ExGRPO rules of a pool (spec sections 2-5). Runs may override the batch-level ones."""
 
     k: int = Field(8, ge=2, le=1024, description="Rollouts per question (group size K).")
@@ -240,13 +246,13 @@ class PoolConfig(Strict):
         return self
 
 
-class PoolCreate(Strict):
+class PoolCreate(Incoming):
     name: Name
     config: PoolConfig = Field(default_factory=PoolConfig)
     description: Text = Field("", max_length=2000)
 
 
-class PoolUpdate(Strict):
+class PoolUpdate(Incoming):
     description: Text | None = Field(None, max_length=2000)
     config: PoolConfig | None = None
 
@@ -311,7 +317,7 @@ class QuestionsPublic(Strict):
 
 
 # --------------------------------------------------------------------------------- trajectories
-class Payload(Strict):
+class Payload(Incoming):
     """Token ids and per-token log-probs of one response, as lists or base64 packed arrays."""
 
     token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
@@ -350,7 +356,7 @@ class RolloutResult(Payload):
         return self
 
 
-class GroupResult(Strict):
+class GroupResult(Incoming):
     question_id: RowId
     rollouts: list[RolloutResult] = Field(min_length=1, max_length=1024)
     replay_trajectory_id: RowId | None = Field(None, description="Stored trajectory used as row 0.")
@@ -371,21 +377,21 @@ class TrajectoryPublic(Strict):
 
 
 # ----------------------------------------------------------------------------------------- runs
-class RunOverrides(Strict):
+class RunOverrides(Incoming):
     experience_ratio: FiniteFloat | None = Field(None, ge=0, le=1)
     batch_size: int | None = Field(None, ge=1, le=65_536)
     start_threshold: FiniteFloat | None = Field(None, ge=0, le=1)
     experience: bool = Field(True, description="False runs plain on-policy GRPO (never replays).")
 
 
-class RunCreate(Strict):
+class RunCreate(Incoming):
     name: Name
     seed: int = Field(0, ge=0, le=2**31 - 1)
     overrides: RunOverrides = Field(default_factory=RunOverrides)
     phase: Phase = "on_policy"
 
 
-class RunUpdate(Strict):
+class RunUpdate(Incoming):
     phase: Phase | None = None
     overrides: RunOverrides | None = None
 
@@ -415,7 +421,7 @@ class RunsPublic(Strict):
 LEASE_HEADER = "X-Run-Lease"
 
 
-class RunLeaseRequest(Strict):
+class RunLeaseRequest(Incoming):
     """Ask for the writer lease of a run (`PUT .../runs/{run}/lease`)."""
 
     holder: str = Field(min_length=1, max_length=200, description="Who writes (a trainer's id).")
@@ -438,7 +444,7 @@ class RunLease(Strict):
         return f"{self.holder}:{self.generation}"
 
 
-class PolicyVersionCreate(Strict):
+class PolicyVersionCreate(Incoming):
     version: Int32
     uri: Text = Field(min_length=1, max_length=4096)
     step: Int32 = 0
@@ -457,7 +463,7 @@ class PolicyVersionsPublic(Strict):
 
 
 # -------------------------------------------------------------------------------------- batches
-class BatchCreate(Strict):
+class BatchCreate(Incoming):
     batch_size: int | None = Field(None, ge=1, le=65_536)
     experience_ratio: FiniteFloat | None = Field(None, ge=0, le=1)
     candidates: CandidateMode = Field("all", description="Stored trajectories sent with replays.")
@@ -496,7 +502,7 @@ class BatchPlan(Strict):
     created_at: datetime
 
 
-class BatchCommit(Strict):
+class BatchCommit(Incoming):
     groups: list[GroupResult] = Field(min_length=1, max_length=65_536)
     policy_version: Int32 | None = None
     metrics: dict[Text, FiniteFloat] = Field(default_factory=dict)
@@ -543,7 +549,7 @@ class BatchStatusPublic(Strict):
     result: CommitResult | None
 
 
-class IngestRequest(Strict):
+class IngestRequest(Incoming):
     groups: list[GroupResult] = Field(min_length=1, max_length=65_536)
     policy_version: Int32 = 0
     step: Int32 | None = None
@@ -555,7 +561,7 @@ class IngestRequest(Strict):
     )
 
 
-class SelectRequest(Strict):
+class SelectRequest(Incoming):
     n: int = Field(ge=1, le=65_536)
     seed: int | None = None
     candidates: CandidateMode = "all"
@@ -568,13 +574,13 @@ class SelectResult(Strict):
 
 
 # ---------------------------------------------------------------------------------------- tasks
-class SamplingParams(Strict):
+class SamplingParams(Incoming):
     temperature: FiniteFloat = Field(1.0, ge=0)
     top_p: FiniteFloat = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(8192, ge=1, le=2**31 - 1)
 
 
-class TaskClaim(Strict):
+class TaskClaim(Incoming):
     worker: Text = Field(min_length=1, max_length=256)
     max_tasks: int = Field(1, ge=1, le=1024)
     lease_seconds: FiniteFloat = Field(120.0, gt=0, le=86_400)
@@ -602,17 +608,17 @@ class TasksPublic(Strict):
     count: int
 
 
-class TaskRenew(Strict):
+class TaskRenew(Incoming):
     lease_token: Text
     lease_seconds: FiniteFloat = Field(120.0, gt=0, le=86_400)
 
 
-class TaskComplete(Strict):
+class TaskComplete(Incoming):
     lease_token: Text
     rollouts: list[RolloutResult] = Field(min_length=1, max_length=1024)
 
 
-class TaskFail(Strict):
+class TaskFail(Incoming):
     lease_token: Text
     error: Text = Field(max_length=4000)
     retry: bool = True
@@ -677,7 +683,7 @@ class QuestionDetail(QuestionPublic):
 
 
 # ---------------------------------------------------------------------------------- run metrics
-class RunMetricsCreate(Strict):
+class RunMetricsCreate(Incoming):
     """Per-step numbers of a run (training curves, held-out accuracy, pool statistics). Values for
     a step merge with what the step already has."""
 
@@ -736,7 +742,7 @@ class PoolImported(Strict):
 # An export is NDJSON: one record a line, told apart by its `type`. The header comes first, then
 # runs (each followed by its policy versions), questions, per-scope states and trajectories. Ids
 # are the exporting database's; an import maps them to new ones.
-class ExportHeader(Strict):
+class ExportHeader(Incoming):
     type: Literal["header"] = "header"
     kind: Literal["exgrpo-pool-export"] = "exgrpo-pool-export"
     format_version: Int32 = 1
@@ -746,7 +752,7 @@ class ExportHeader(Strict):
     num_runs: RowId
 
 
-class ExportRun(Strict):
+class ExportRun(Incoming):
     type: Literal["run"] = "run"
     id: RowId
     name: Name
@@ -758,7 +764,7 @@ class ExportRun(Strict):
     overrides: RunOverrides = Field(default_factory=RunOverrides)
 
 
-class ExportPolicyVersion(Strict):
+class ExportPolicyVersion(Incoming):
     type: Literal["policy_version"] = "policy_version"
     run: RowId = Field(description="Id of the exported run (an earlier `run` record).")
     version: Int32
@@ -771,7 +777,7 @@ class ExportQuestion(QuestionCreate):
     id: RowId
 
 
-class ExportState(Strict):
+class ExportState(Incoming):
     """A question's state in one scope: a run's id, or 0 for the shared scope of a pooled pool."""
 
     type: Literal["state"] = "state"
@@ -783,7 +789,7 @@ class ExportState(Strict):
     last_step: Int32
 
 
-class ExportTrajectory(Strict):
+class ExportTrajectory(Incoming):
     type: Literal["trajectory"] = "trajectory"
     question: RowId
     scope: RowId | None = Field(
