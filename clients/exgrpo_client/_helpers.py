@@ -29,12 +29,14 @@ def rollout(
     entropy: float | None = None,
     replayed: bool = False,
     finish_reason: Literal["stop", "length", "abort"] | None = None,
+    text: str | None = None,
 ) -> RolloutResult:
     """One graded rollout, its token ids and log-probs packed as base64 arrays.
 
     `token_ids` and `logprobs` are lists or numpy arrays of the same length (the response tokens
     only, prompt excluded). Pass both as None for a rollout without payload (an incorrect one,
-    or the replayed row whose trajectory the service already stores)."""
+    or the replayed row whose trajectory the service already stores). `text`, the response
+    decoded, is stored with a collected trajectory for people to read."""
     if (token_ids is None) != (logprobs is None):
         raise ValueError("give token_ids and logprobs together, or neither")
     fields: dict[str, object] = {"reward": float(reward), "replayed": replayed}
@@ -42,6 +44,8 @@ def rollout(
         fields["entropy"] = float(entropy)
     if finish_reason is not None:
         fields["finish_reason"] = finish_reason
+    if text is not None:
+        fields["text"] = text
     if token_ids is not None and logprobs is not None:
         ids = np.asarray(token_ids)
         lps = np.asarray(logprobs, dtype=np.float64)

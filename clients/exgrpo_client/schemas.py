@@ -49,6 +49,8 @@ BatchStatus = Literal["planned", "committed", "abandoned"]
 TaskStatus = Literal["pending", "leased", "completed", "failed"]
 
 MAX_TOKENS_PER_TRAJECTORY = 65_536
+#: The most characters of a rollout's text (its response, decoded).
+MAX_TEXT_CHARS = 1_000_000
 
 
 # ------------------------------------------------------------------------ text and free-form JSON
@@ -343,6 +345,12 @@ class RolloutResult(Payload):
     entropy: FiniteFloat | None = Field(None, ge=0, description="Mean token entropy of the response.")
     replayed: bool = Field(False, description="This row is the replayed stored trajectory.")
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    text: Text | None = Field(
+        None,
+        max_length=MAX_TEXT_CHARS,
+        description="The response as text (its tokens decoded), stored with a collected trajectory so "
+        "people can read it.",
+    )
 
     @model_validator(mode="after")
     def _one_of_each(self) -> RolloutResult:
@@ -374,6 +382,7 @@ class TrajectoryPublic(Strict):
     created_at: datetime
     token_ids_b64: str | None = None
     logprobs_b64: str | None = None
+    text: str | None = Field(None, description="The response as text, where its producer sent it.")
 
 
 # ----------------------------------------------------------------------------------------- runs
@@ -804,6 +813,7 @@ class ExportTrajectory(Incoming):
     logprobs_b64: str = Field(description="base64 of little-endian float32 log-probs")
     reward: FiniteFloat
     entropy: FiniteFloat | None = None
+    text: Text | None = Field(None, max_length=MAX_TEXT_CHARS)
 
 
 ExportRecord = Annotated[

@@ -160,9 +160,11 @@ def commit_groups(
     finish: Sequence[Finish | None],
     old_logprobs: Sequence[Sequence[float]],
     old_entropy: Sequence[Sequence[float]],
+    decode: Callable[[list[int]], str] | None = None,
 ) -> list[s.GroupResult]:
     """One group per slot: every row's reward and mean entropy; a correct generated row also carries
-    its tokens and pi_old log-probs (the behaviour policy stored with a collected trajectory)."""
+    its tokens and pi_old log-probs (the behaviour policy stored with a collected trajectory) and,
+    with `decode`, its text (stored with it for people to read)."""
     by_group: dict[int, list[int]] = defaultdict(list)
     for i, row in enumerate(rows):
         by_group[row.group].append(i)
@@ -176,8 +178,11 @@ def commit_groups(
                 rollouts.append(rollout(row.reward, None, None, entropy=ent, replayed=True))
             elif row.reward == 1.0 and row.response_ids:
                 lps = np.minimum(old_logprobs[i], 0.0)
+                text = decode(row.response_ids) if decode is not None else None
                 rollouts.append(
-                    rollout(row.reward, row.response_ids, lps, entropy=ent, finish_reason=finish[i])
+                    rollout(
+                        row.reward, row.response_ids, lps, entropy=ent, finish_reason=finish[i], text=text
+                    )
                 )
             else:
                 rollouts.append(rollout(row.reward, None, None, entropy=ent, finish_reason=finish[i]))

@@ -135,7 +135,7 @@ class Trainer:
         learned = self.learner.learn(rows, mixed=batch.mixed, step=self.step + 1)
         metrics = batch_metrics(rows, finish, batch.replayed_slots, learned.old_entropy, batch.mixed)
         metrics.update(learned.metrics)
-        groups = commit_groups(batch, rows, finish, learned.old_logprobs, learned.old_entropy)
+        groups = commit_groups(batch, rows, finish, learned.old_logprobs, learned.old_entropy, self._decode)
         with self.timer.part("commit"):
             result = self.session.commit(plan, groups, self.policy_version, metrics)
         self.step = result.step

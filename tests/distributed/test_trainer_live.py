@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
+from exgrpo_client import decode_trajectory
 from exgrpo_trainer.trainer import run_training
 
 from ._helpers import RecordingClient, make_pool, read_metrics, run_config
@@ -54,6 +56,18 @@ def test_exgrpo_run_switches_to_mixed_and_replays(
         run = client.get_run(pool_name, "run-1")
         versions = client.list_policy_versions(pool_name, "run-1")
         stats = client.run_stats(pool_name, "run-1")
+        stored = [
+            t
+            for q in client.iter_questions(pool_name)
+            for t in client.question(pool_name, q.id, True).trajectories
+        ]
+
+    # every stored trajectory is readable: the text the trainer decoded from its token ids
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert stored and all(t.text is not None for t in stored)
+    for t in stored:
+        ids, _ = decode_trajectory(t)
+        assert t.text == tokenizer.decode(ids.tolist(), skip_special_tokens=False)
 
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]

@@ -103,11 +103,13 @@ def test_entropy_choice_then_slots_rows_and_commit_groups() -> None:
 
     old_lp = [[-0.2] * len(r.response_ids) for r in rows]
     old_ent = [[0.4] * len(r.response_ids) for r in rows]
-    groups = commit_groups(batch, rows, finish, old_lp, old_ent)
+    groups = commit_groups(batch, rows, finish, old_lp, old_ent, decode=lambda ids: "+".join(map(str, ids)))
     assert [g.question_id for g in groups] == [7, 7, 9]
     assert [r.replayed for r in groups[0].rollouts] == [True, False, False]
     correct = [r for g in groups for r in g.rollouts if r.token_ids_b64 is not None]
     assert len(correct) == 2  # only correct generated rows carry a payload (pi_old log-probs)
+    assert [r.text for r in correct] == ["10", "10"], "and their text, decoded"
+    assert all(r.text is None for g in groups for r in g.rollouts if r.token_ids_b64 is None)
     assert all(r.entropy == pytest.approx(0.4) for g in groups for r in g.rollouts)
 
 

@@ -162,7 +162,9 @@ def question_public(q: Question, pool_name: str) -> s.QuestionPublic:
     )
 
 
-def trajectory_public(t: Trajectory, run_names: dict[int, str], *, payload: bool) -> s.TrajectoryPublic:
+def trajectory_public(
+    t: Trajectory, run_names: dict[int, str], *, payload: bool, text: bool = False
+) -> s.TrajectoryPublic:
     return s.TrajectoryPublic(
         id=t.id,
         question_id=t.question_id,
@@ -175,6 +177,7 @@ def trajectory_public(t: Trajectory, run_names: dict[int, str], *, payload: bool
         created_at=t.created_at,
         token_ids_b64=s.encode_b64(t.token_ids) if payload else None,
         logprobs_b64=s.encode_b64(t.logprobs) if payload else None,
+        text=t.text if text else None,
     )
 
 

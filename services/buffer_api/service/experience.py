@@ -118,6 +118,7 @@ async def apply_groups(
                         "reward": float(r.reward),
                         "entropy": r.entropy,
                         "dedup_key": trajectory_key(ids),
+                        "text": r.text,
                         "created_at": now,
                     }
                 )

@@ -114,7 +114,7 @@ async def question_detail(ctx: Context, pool: Pool, qid: int, *, payload: bool) 
         q = (await repo.get_questions(session, [qid])).get(qid)
         if q is None or q.pool_id != pool.id:
             raise NotFound(f"question {qid} does not exist in pool {pool.name!r}")
-        trajs = (await repo.trajectories_of(session, [qid], scope=None, payload=payload))[qid]
+        trajs = (await repo.trajectories_of(session, [qid], scope=None, payload=payload, text=True))[qid]
         states = await repo.question_states(session, qid)
         names = await repo.run_names(
             session, [t.source_run_id for t in trajs if t.source_run_id] + [st.scope for st in states]
@@ -122,7 +122,7 @@ async def question_detail(ctx: Context, pool: Pool, qid: int, *, payload: bool) 
     base = question_public(q, pool.name)
     return s.QuestionDetail(
         **base.model_dump(),
-        trajectories=[trajectory_public(t, names, payload=payload) for t in trajs],
+        trajectories=[trajectory_public(t, names, payload=payload, text=True) for t in trajs],
         runs=[
             s.QuestionRunState(
                 run="*" if is_pool_scope(st.scope) else names.get(st.scope, str(st.scope)),

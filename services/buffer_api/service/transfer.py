@@ -106,6 +106,7 @@ async def export_pool(ctx: Context, pool: Pool) -> AsyncIterator[bytes]:
                         logprobs_b64=s.encode_b64(t.logprobs),
                         reward=t.reward,
                         entropy=t.entropy,
+                        text=t.text,
                     )
                 )
             after = ts[-1].id
@@ -305,6 +306,7 @@ class _Importer:
                     "reward": t.reward,
                     "entropy": t.entropy,
                     "dedup_key": trajectory_key(ids),
+                    "text": t.text,
                     "created_at": utcnow(),
                 }
             ],

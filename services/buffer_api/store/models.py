@@ -173,6 +173,8 @@ class Trajectory(Base):
     reward: Mapped[float] = mapped_column(Float)
     entropy: Mapped[float | None] = mapped_column(Float, nullable=True)
     dedup_key: Mapped[bytes] = mapped_column(Blob)
+    text: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The response as text, when its producer sent it (for people to read; never replayed)."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

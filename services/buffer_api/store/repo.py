@@ -289,13 +289,14 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
 
 
 async def trajectories_of(
-    session: AsyncSession, qids: Sequence[int], *, scope: int | None, payload: bool = True
+    session: AsyncSession, qids: Sequence[int], *, scope: int | None, payload: bool = True, text: bool = False
 ) -> dict[int, list[Trajectory]]:
-    """The stored trajectories of questions, of one scope (None: of every scope)."""
+    """The stored trajectories of questions, of one scope (None: of every scope); token ids and
+    log-probs with `payload`, the response text with `text`."""
     out: dict[int, list[Trajectory]] = {q: [] for q in qids}
     # plain rows (attribute access like the ORM class), not ORM instances: building ~300 mapped
     # objects per plan was ~15% of its time in a profile
-    skip = () if payload else ("token_ids", "logprobs", "dedup_key")
+    skip = (() if payload else ("token_ids", "logprobs", "dedup_key")) + (() if text else ("text",))
     cols = [c for c in Trajectory.__table__.c if c.name not in skip]
     for chunk in _chunks(list(qids)):
         stmt = select(*cols).where(Trajectory.question_id.in_(chunk)).order_by(Trajectory.id)
