@@ -30,7 +30,7 @@ from exgrpo_cli import _render as render
 from exgrpo_cli import model_cmds, rollout_cmds
 from exgrpo_client import Client
 from exgrpo_client.errors import ExgrpoError
-from exgrpo_client.io import count_rows, read_questions
+from exgrpo_client.io import read_questions
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -535,12 +535,14 @@ def questions_import(
     chunk_size: Annotated[int, typer.Option(min=1, max=50_000, help="Questions per request.")] = 2000,
     as_json: render.JsonOption = False,
 ) -> None:
-    """Add questions from a file. Questions already in the pool are skipped, so re-running is safe."""
+    """Add questions from a file. Every row is checked first, with the service's own models, so a
+    bad row anywhere leaves the pool as it was; then the questions go out in requests of
+    --chunk-size. Questions already in the pool are skipped, so re-running an import that stopped
+    midway (network, service) finishes it."""
     state = _state(ctx, as_json)
-    batches = read_questions(file, batch_size=chunk_size, limit=limit)  # checks the file first
-    rows = count_rows(file)
-    total = rows if limit is None else min(rows, limit)
-    questions = itertools.chain.from_iterable(batches)
+    # the whole file is read and validated before the first request (a second read sends it)
+    total = sum(len(chunk) for chunk in read_questions(file, batch_size=chunk_size, limit=limit))
+    questions = itertools.chain.from_iterable(read_questions(file, batch_size=chunk_size, limit=limit))
     with (
         state.client() as client,
         render.progress_bar(

@@ -433,7 +433,7 @@ LEASE_HEADER = "X-Run-Lease"
 class RunLeaseRequest(Incoming):
     """Ask for the writer lease of a run (`PUT .../runs/{run}/lease`)."""
 
-    holder: str = Field(min_length=1, max_length=200, description="Who writes (a trainer's id).")
+    holder: Text = Field(min_length=1, max_length=200, description="Who writes (a trainer's id).")
     ttl_s: FiniteFloat = Field(60.0, ge=1, le=3600, description="Seconds the lease lives unless renewed.")
     takeover: bool = Field(False, description="Fence out a live holder (its generation becomes stale).")
 

@@ -162,6 +162,25 @@ def test_questions_import_of_jsonl(cli: Any, pool_name: str, tmp_path: Path) -> 
     assert _json(cli("questions", "import", str(path), "--pool", pool_name))["inserted"] == 7
 
 
+def test_questions_import_checks_the_whole_file_before_sending(
+    cli: Any, start_live_server: Any, tmp_path: Path
+) -> None:
+    """A bad row late in a file leaves the pool as it was: every row is validated before the
+    first chunk is sent (here five chunks of two would go out before row 11). A server of its own:
+    the questions it adds would shift the ids other tests of the shared server see."""
+    with start_live_server(f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}") as server:
+        _json(cli("pool", "create", "p", "--k", "4", url=server.url))
+        path = tmp_path / "q.jsonl"
+        rows = [{"prompt": f"{i}+{i}?", "answer": 2 * i} for i in range(10)]
+        rows.append({"prompt": "bad\u0000row", "answer": 1})
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+        args = ("questions", "import", str(path), "--pool", "p", "--chunk-size", "2")
+        _fails(cli(*args, url=server.url), f"{path}, row 11")
+        assert httpx.get(f"{server.url}/v1/pools/p/stats", timeout=10).json()["num_questions"] == 0
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows[:10]), "utf-8")
+        assert _json(cli(*args, url=server.url))["inserted"] == 10
+
+
 # ------------------------------------------------------------------------------ export / import
 def _group(question_id: int, *, replayed: bool = False) -> GroupResult:
     rows = [rollout(1.0, None, None, replayed=True)] if replayed else []

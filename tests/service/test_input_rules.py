@@ -105,6 +105,8 @@ async def test_nul_characters_are_refused_everywhere(client: httpx.AsyncClient) 
         ("POST", "/v1/pools/p1/runs/r1/tasks/claim", {"worker": f"w{NUL}"}, "worker"),
         ("POST", f"/v1/pools/p1/tasks/{task_id}/renew", {"lease_token": f"{lease}{NUL}"}, "lease_token"),
         ("POST", f"/v1/pools/p1/tasks/{task_id}/fail", {"lease_token": lease, "error": f"e{NUL}"}, "error"),
+        ("PUT", "/v1/pools/p1/runs/r1/lease", {"holder": f"h{NUL}"}, "holder"),
+        ("DELETE", "/v1/pools/p1/runs/r1/lease?holder=h%00", None, "holder"),
     ]
     for method, url, body, field in bodies:
         assert_422(await client.request(method, url, json=body), field, "NUL", case=f"{url} {field}")

@@ -52,7 +52,7 @@ async def acquire_lease(
 @router.delete("/{run}/lease", status_code=204, response_class=Response)
 async def release_lease(
     run: RunName,
-    holder: Annotated[str, Query(min_length=1, max_length=200)],
+    holder: Annotated[s.Text, Query(min_length=1, max_length=200)],
     pool: WritePool,
     ctx: ContextDep,
 ) -> Response:
