@@ -14,11 +14,28 @@ from typing import Protocol
 Move = tuple[int, int | None]
 
 
+class RebuildLost(RuntimeError):
+    """What a rebuild staged vanished before it was swapped in (Redis flushed or restarted): the
+    scope is as it was; rebuild again."""
+
+
 class BucketIndex(Protocol):
+    """Every change of a scope (`apply`, `drop`) counts up the scope's generation. A rebuild reads
+    the generation before it reads the database and hands it to `replace`: if a change came in
+    meanwhile, the rebuilt scope may lack it, so it is installed but not marked loaded (the next
+    use rebuilds it again). Rebuilds of one scope may run concurrently: each is installed whole."""
+
     name: str
 
-    async def replace(self, scope: int, members: Mapping[int, Sequence[int]]) -> None:
-        """Make `scope` hold exactly these buckets (atomic for readers)."""
+    async def generation(self, scope: int) -> int:
+        """The scope's change counter (0 for a scope never changed)."""
+
+    async def replace(
+        self, scope: int, members: Mapping[int, Sequence[int]], *, generation: int | None = None
+    ) -> bool:
+        """Make `scope` hold exactly these buckets, atomically for readers and concurrent rebuilds.
+        Marks the scope loaded unless it changed since `generation` (None: unconditionally);
+        answers whether it did."""
 
     async def apply(self, scope: int, moves: Sequence[Move]) -> None:
         """Move questions between buckets; a question is in at most one bucket."""
@@ -33,7 +50,8 @@ class BucketIndex(Protocol):
         """Whether `scope` was built since the index was last emptied."""
 
     async def drop(self, scope: int) -> None:
-        """Forget a scope (its run was deleted)."""
+        """Forget a scope (its run was deleted, or the index could not follow a change): it is not
+        loaded until rebuilt."""
 
     async def ping(self) -> bool: ...
 

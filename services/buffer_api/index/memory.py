@@ -22,8 +22,15 @@ class MemoryIndex:
 
     def __init__(self) -> None:
         self._scopes: dict[int, _Scope] = {}
+        self._loaded: set[int] = set()
+        self._generation: dict[int, int] = {}
 
-    async def replace(self, scope: int, members: Mapping[int, Sequence[int]]) -> None:
+    async def generation(self, scope: int) -> int:
+        return self._generation.get(scope, 0)
+
+    async def replace(
+        self, scope: int, members: Mapping[int, Sequence[int]], *, generation: int | None = None
+    ) -> bool:
         s = _Scope()
         for bucket, ids in members.items():
             if ids:
@@ -31,8 +38,15 @@ class MemoryIndex:
                 for q in ids:
                     s.bucket_of[q] = bucket
         self._scopes[scope] = s
+        current = generation is None or generation == self._generation.get(scope, 0)
+        if current:
+            self._loaded.add(scope)
+        else:
+            self._loaded.discard(scope)
+        return current
 
     async def apply(self, scope: int, moves: Sequence[Move]) -> None:
+        self._generation[scope] = self._generation.get(scope, 0) + 1
         s = self._scopes.setdefault(scope, _Scope())
         for q, new in moves:
             old = s.bucket_of.pop(q, None)
@@ -56,9 +70,11 @@ class MemoryIndex:
         return {b: [s.buckets[b][int(r)] for r in rs] for b, rs in ranks.items()}
 
     async def is_loaded(self, scope: int) -> bool:
-        return scope in self._scopes
+        return scope in self._loaded
 
     async def drop(self, scope: int) -> None:
+        self._generation[scope] = self._generation.get(scope, 0) + 1
+        self._loaded.discard(scope)
         self._scopes.pop(scope, None)
 
     async def ping(self) -> bool:
@@ -66,3 +82,4 @@ class MemoryIndex:
 
     async def close(self) -> None:
         self._scopes.clear()
+        self._loaded.clear()

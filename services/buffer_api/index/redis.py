@@ -1,18 +1,26 @@
 """Bucket index in Redis, shared by every API replica.
 
 Keys (prefix P, scope S): `P:idx:S:b:<k>` sorted set of question ids (score = id, so ranks follow
-id order), `P:idx:S:of` hash question -> bucket, `P:idx:S:loaded` marker. Moves run as one Lua
+id order), `P:idx:S:of` hash question -> bucket, `P:idx:S:bk` set of the buckets that may hold
+members, `P:idx:S:gen` the scope's change counter, `P:idx:S:loaded` marker. Moves run as one Lua
 script per question so a question is never in two buckets, even with concurrent writers.
+
+A rebuild stages the new buckets under keys of its own (`P:idx:S:stage:<random>:...`, expiring),
+then one Lua script swaps them in: rebuilds running at once never touch each other's keys, and
+readers see either the old scope or a new one, whole. The script changes nothing when a staged key
+is gone (Redis flushed meanwhile).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
 
-from exgrpo_pool.index.base import Move
+from exgrpo_pool.index.base import Move, RebuildLost
 
+# KEYS[1] of, KEYS[2] bk; ARGV[1] question, ARGV[2] new bucket ('' = none), ARGV[3] bucket key prefix
 _MOVE = """
 local old = redis.call('HGET', KEYS[1], ARGV[1])
 if old then
@@ -23,11 +31,69 @@ if ARGV[2] == '' then
 else
   redis.call('ZADD', ARGV[3] .. ARGV[2], ARGV[1], ARGV[1])
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('SADD', KEYS[2], ARGV[2])
 end
 return 1
 """
 
+# Scripts on a scope get KEYS[1] of, KEYS[2] bk, KEYS[3] loaded, KEYS[4] gen, KEYS[5..] more keys
+# to delete (bucket keys left by older versions), and ARGV[1] the prefix of its bucket keys.
+
+# empties the scope: every bucket the bk set names, the more keys, the hash and the set
+_CLEAR = """
+for _, b in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  redis.call('UNLINK', ARGV[1] .. b)
+end
+for i = 5, #KEYS do
+  redis.call('UNLINK', KEYS[i])
+end
+redis.call('UNLINK', KEYS[1], KEYS[2])
+"""
+
+# ARGV[2] expected generation ('' = any), ARGV[3] staged hash, ARGV[4] staged bucket key prefix,
+# ARGV[5..] the staged buckets. Answers 1 (installed and loaded), 0 (installed, but the scope
+# changed meanwhile: not loaded), -1 (something staged is gone: nothing changed).
+_SWAP = (
+    """
+for i = 5, #ARGV do
+  if redis.call('EXISTS', ARGV[4] .. ARGV[i]) == 0 then return -1 end
+end
+if #ARGV >= 5 and redis.call('EXISTS', ARGV[3]) == 0 then return -1 end
+"""
+    + _CLEAR
+    + """
+for i = 5, #ARGV do
+  redis.call('RENAME', ARGV[4] .. ARGV[i], ARGV[1] .. ARGV[i])
+  redis.call('PERSIST', ARGV[1] .. ARGV[i])
+  redis.call('SADD', KEYS[2], ARGV[i])
+end
+if #ARGV >= 5 then
+  redis.call('RENAME', ARGV[3], KEYS[1])
+  redis.call('PERSIST', KEYS[1])
+end
+local gen = redis.call('GET', KEYS[4]) or '0'
+if ARGV[2] == '' or ARGV[2] == gen then
+  redis.call('SET', KEYS[3], '1')
+  return 1
+end
+redis.call('DEL', KEYS[3])
+return 0
+"""
+)
+
+# a change: not loaded until rebuilt
+_DROP = (
+    _CLEAR
+    + """
+redis.call('DEL', KEYS[3])
+redis.call('INCR', KEYS[4])
+return 1
+"""
+)
+
 _CHUNK = 5000
+#: staged keys of a rebuild that died half-way expire after this long
+_STAGE_TTL_S = 600
 
 
 class RedisIndex:
@@ -37,57 +103,80 @@ class RedisIndex:
         self._r = client
         self._prefix = prefix
         self._move = client.register_script(_MOVE)
+        self._swap = client.register_script(_SWAP)
+        self._drop = client.register_script(_DROP)
 
     def _k(self, scope: int, suffix: str) -> str:
         return f"{self._prefix}:idx:{scope}:{suffix}"
 
-    async def _bucket_keys(self, scope: int) -> list[str]:
+    def _fixed(self, scope: int) -> list[str]:
+        return [self._k(scope, "of"), self._k(scope, "bk"), self._k(scope, "loaded"), self._k(scope, "gen")]
+
+    async def _buckets(self, scope: int) -> list[int]:
+        return sorted(int(b) for b in await self._r.smembers(self._k(scope, "bk")))
+
+    async def _legacy_keys(self, scope: int) -> list[str]:
+        """Bucket keys of a scope written before the `bk` set existed (found by a scan, once)."""
+        if await self._r.exists(self._k(scope, "bk")):
+            return []
         pattern = self._k(scope, "b:*")
         return [k.decode() if isinstance(k, bytes) else k async for k in self._r.scan_iter(pattern)]
 
-    async def replace(self, scope: int, members: Mapping[int, Sequence[int]]) -> None:
-        tmp = f"{self._prefix}:idx:{scope}:tmp"
+    async def generation(self, scope: int) -> int:
+        return int(await self._r.get(self._k(scope, "gen")) or 0)
+
+    async def replace(
+        self, scope: int, members: Mapping[int, Sequence[int]], *, generation: int | None = None
+    ) -> bool:
+        stage = self._k(scope, f"stage:{uuid.uuid4().hex}")
+        buckets = [b for b, ids in members.items() if ids]
         pipe = self._r.pipeline(transaction=False)
-        for key in [k async for k in self._r.scan_iter(f"{tmp}:*")]:
-            pipe.delete(key)
-        for bucket, ids in members.items():
+        for bucket in buckets:
+            ids = members[bucket]
             for i in range(0, len(ids), _CHUNK):
                 chunk = ids[i : i + _CHUNK]
-                pipe.zadd(f"{tmp}:b:{bucket}", {str(q): q for q in chunk})
-                pipe.hset(f"{tmp}:of", mapping={str(q): bucket for q in chunk})
+                pipe.zadd(f"{stage}:b:{bucket}", {str(q): q for q in chunk})
+                pipe.hset(f"{stage}:of", mapping={str(q): bucket for q in chunk})
+            pipe.expire(f"{stage}:b:{bucket}", _STAGE_TTL_S)
+        if buckets:
+            pipe.expire(f"{stage}:of", _STAGE_TTL_S)
         await pipe.execute()
-        old_keys = await self._bucket_keys(scope)
-        tx = self._r.pipeline(transaction=True)
-        for key in old_keys:
-            tx.delete(key)
-        tx.delete(self._k(scope, "of"))
-        for bucket, ids in members.items():
-            if ids:
-                tx.rename(f"{tmp}:b:{bucket}", self._k(scope, f"b:{bucket}"))
-        if any(members.values()):
-            tx.rename(f"{tmp}:of", self._k(scope, "of"))
-        tx.set(self._k(scope, "loaded"), "1")
-        await tx.execute()
+        legacy = await self._legacy_keys(scope)
+        outcome = await self._swap(
+            keys=[*self._fixed(scope), *legacy],
+            args=[
+                self._k(scope, "b:"),
+                "" if generation is None else generation,
+                f"{stage}:of",
+                f"{stage}:b:",
+                *buckets,
+            ],
+        )
+        if int(outcome) < 0:
+            raise RebuildLost(f"the staged index of scope {scope} vanished before it was swapped in")
+        return int(outcome) == 1
 
     async def apply(self, scope: int, moves: Sequence[Move]) -> None:
         if not moves:
             return
-        of_key = self._k(scope, "of")
+        keys = [self._k(scope, "of"), self._k(scope, "bk")]
         bucket_prefix = self._k(scope, "b:")
         pipe = self._r.pipeline(transaction=False)
+        # counted before the moves: a rebuild that read the database before this change sees it
+        pipe.incr(self._k(scope, "gen"))
         for q, new in moves:
-            await self._move(keys=[of_key], args=[q, "" if new is None else new, bucket_prefix], client=pipe)
+            await self._move(keys=keys, args=[q, "" if new is None else new, bucket_prefix], client=pipe)
         await pipe.execute()
 
     async def sizes(self, scope: int) -> dict[int, int]:
-        keys = await self._bucket_keys(scope)
-        if not keys:
+        buckets = await self._buckets(scope)
+        if not buckets:
             return {}
         pipe = self._r.pipeline(transaction=False)
-        for key in keys:
-            pipe.zcard(key)
+        for b in buckets:
+            pipe.zcard(self._k(scope, f"b:{b}"))
         counts = await pipe.execute()
-        return {int(k.rsplit(":", 1)[1]): int(c) for k, c in zip(keys, counts, strict=True) if c}
+        return {b: int(c) for b, c in zip(buckets, counts, strict=True) if c}
 
     async def pick(self, scope: int, ranks: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
         pipe = self._r.pipeline(transaction=False)
@@ -108,8 +197,8 @@ class RedisIndex:
         return bool(await self._r.exists(self._k(scope, "loaded")))
 
     async def drop(self, scope: int) -> None:
-        keys = [*await self._bucket_keys(scope), self._k(scope, "of"), self._k(scope, "loaded")]
-        await self._r.delete(*keys)
+        legacy = await self._legacy_keys(scope)
+        await self._drop(keys=[*self._fixed(scope), *legacy], args=[self._k(scope, "b:")])
 
     async def ping(self) -> bool:
         return bool(await self._r.ping())

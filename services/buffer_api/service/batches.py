@@ -24,6 +24,7 @@ from exgrpo_pool.domain import (
     take_fresh,
 )
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
+from exgrpo_pool.index.base import RebuildLost
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
     RunScopes,
@@ -45,15 +46,30 @@ log = logging.getLogger("exgrpo.pool")
 
 
 # --------------------------------------------------------------------------------- the index
+#: rebuilds of one scope tried in a row while writers keep changing it (then the next use retries)
+REBUILD_ATTEMPTS = 3
+
+
 async def rebuild_index(ctx: Context, session: AsyncSession, scope: int) -> int:
-    members = await repo.bucket_members(session, scope)
-    await ctx.index.replace(scope, members)
-    ctx.metrics.index_rebuilds.inc()
+    """Rebuild a scope from the database. The generation is read before the members: a change
+    that lands in between leaves the rebuilt scope not loaded, and it is rebuilt again."""
+    members: dict[int, list[int]] = {}
+    for _ in range(REBUILD_ATTEMPTS):
+        generation = await ctx.index.generation(scope)
+        members = await repo.bucket_members(session, scope)
+        try:
+            loaded = await ctx.index.replace(scope, members, generation=generation)
+        except RebuildLost:
+            continue
+        ctx.metrics.index_rebuilds.inc()
+        if loaded:
+            ctx.stale_scopes.discard(scope)
+            break
     return sum(len(v) for v in members.values())
 
 
 async def ensure_index(ctx: Context, session: AsyncSession, scope: int) -> None:
-    if not await ctx.index.is_loaded(scope):
+    if scope in ctx.stale_scopes or not await ctx.index.is_loaded(scope):
         await rebuild_index(ctx, session, scope)
 
 

@@ -22,3 +22,5 @@ class Context:
     redis: Any | None = None
     #: (run id, epoch) -> shuffled fresh-question order; loaded from `run_epoch` on a miss.
     epoch_cache: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    #: scopes whose index missed a change (Redis unreachable after a commit): rebuilt on next use
+    stale_scopes: set[int] = field(default_factory=set)
