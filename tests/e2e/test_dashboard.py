@@ -324,8 +324,12 @@ def test_dashboard_shows_a_real_training_run(
             lambda d: d.find_element(By.ID, "question-gold").text == known.ground_truth,
         )
         _click(browser, browser.find_element(By.ID, "eligible-button"))
-        _wait(browser, "the eligible sample", lambda d: len(_css(d, "[data-testid=question-row]")) > 0)
-        assert "eligible questions of run" in browser.find_element(By.ID, "questions-status").text
+        _wait(
+            browser,
+            "the eligible sample",
+            lambda d: "eligible questions of run" in d.find_element(By.ID, "questions-status").text,
+        )
+        assert len(_css(browser, "[data-testid=question-row]")) > 0
         _wait(browser, "the charts after the reload", lambda d: _points(d, "solved") > 0)
         assert not browser.find_element(By.ID, "error-banner").is_displayed()
         assert _console_errors(browser) == []
@@ -344,3 +348,137 @@ def test_dashboard_shows_a_real_training_run(
         shot = ARTIFACTS / "dashboard.png"
         assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
         print(f"browser checks {browsing:.1f} s; screenshot {shot}")
+
+
+def _ema(values: list[float], weight: float) -> list[float]:
+    """The dashboard's smoothing: an exponential moving average with the start-up bias removed."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc = acc * weight + (1 - weight) * v
+        out.append(acc / (1 - weight ** (i + 1)))
+    return out
+
+
+def _compare_paths(driver: WebDriver, chart: int) -> dict[str, WebElement]:
+    found = _css(driver, f'[data-testid=compare-chart][data-chart="{chart}"] path.series')
+    return {p.get_attribute("data-run") or "": p for p in found}
+
+
+def test_runs_of_a_pool_side_by_side(browser: WebDriver, start_live_server: Any, tmp_path: Path) -> None:
+    import csv
+
+    import torch
+    from distributed._helpers import make_pool, run_config
+    from selenium.webdriver.support.ui import Select
+
+    from exgrpo_onebox.tiny import build_tiny_model
+    from exgrpo_trainer.trainer import run_training
+
+    torch.set_num_threads(1)
+    browser.get("about:blank")  # the page of an earlier test polls its stopped service
+    browser.get_log("browser")
+    pool = "compare-pool"
+    model = build_tiny_model(tmp_path / "model")
+    with start_live_server(f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}") as srv, Client(srv.url) as client:
+        make_pool(client, pool, start_threshold=0.2)
+        for run, extra in (("run-a", ()), ("run-b", ("run.seed=5", "experience.ratio=0.25"))):
+            settings = ("run.steps=3", "schedule.publish_every=0", "schedule.checkpoint_every=0", *extra)
+            run_training(
+                run_config(srv.url, pool, model, tmp_path / run, f"run.name={run}", *settings), client=client
+            )
+        curves = {
+            r: {m.step: m.metrics for m in client.run_metrics(pool, r).data} for r in ("run-a", "run-b")
+        }
+        keys = sorted({k for curve in curves.values() for m in curve.values() for k in m})
+
+        browser.get(f"{srv.url}/dashboard#pool={pool}")
+        _one(browser, "the runs table", '[data-testid=run-row][data-run="run-b"]')
+
+        # the run table: each run's config and state, both runs compared by default
+        def cell(run: str, col: str) -> str:
+            return browser.find_element(
+                By.CSS_SELECTOR, f'[data-testid=run-row][data-run="{run}"] [data-col={col}]'
+            ).text
+
+        assert [cell(r, "step") for r in ("run-a", "run-b")] == ["3", "3"]
+        assert [cell(r, "seed") for r in ("run-a", "run-b")] == ["0", "5"]
+        assert cell("run-a", "ratio") == "0.500 (pool)" and cell("run-b", "ratio") == "0.250"
+        assert all(t.is_selected() for t in _css(browser, "[data-testid=compare-toggle]"))
+
+        # overlaid curves, one per run; every stored metric can be chosen
+        _wait(browser, "the compared curves", lambda d: len(_compare_paths(d, 0)) == 2)
+        paths = _compare_paths(browser, 0)
+        assert {p.get_attribute("data-metric") for p in paths.values()} == {"batch/solved"}
+        assert all(p.get_attribute("data-points") == "3" for p in paths.values())
+        select = Select(
+            browser.find_element(By.CSS_SELECTOR, '[data-testid=compare-chart][data-chart="0"] select')
+        )
+        assert sorted(o.get_attribute("value") for o in select.options) == keys
+        select.select_by_value("actor/entropy")
+        _wait(
+            browser,
+            "the chosen metric",
+            lambda d: (
+                {p.get_attribute("data-metric") for p in _compare_paths(d, 0).values()} == {"actor/entropy"}
+            ),
+        )
+        for run, p in _compare_paths(browser, 0).items():
+            assert float(p.get_attribute("data-last") or "nan") == curves[run][3]["actor/entropy"]
+
+        # smoothing: the plotted values are the smoothed ones, the raw curves stay faint behind
+        browser.execute_script(
+            "const s = document.getElementById('smoothing'); s.value = '0.9';"
+            "s.dispatchEvent(new Event('input', {bubbles: true}));"
+        )
+        _wait(browser, "the smoothed curves", lambda d: len(_css(d, '[data-chart="0"] path.series-raw')) == 2)
+        assert browser.find_element(By.ID, "smoothing-value").text == "0.90"
+        for run, p in _compare_paths(browser, 0).items():
+            want = _ema([curves[run][s]["actor/entropy"] for s in (1, 2, 3)], 0.9)[-1]
+            assert float(p.get_attribute("data-last") or "nan") == pytest.approx(want, rel=1e-12)
+
+        # one run less: its curve goes, the link says which runs are compared; a chart more
+        _click(
+            browser, browser.find_element(By.CSS_SELECTOR, '[data-testid=compare-toggle][data-run="run-b"]')
+        )
+        _wait(browser, "run-b left out", lambda d: set(_compare_paths(d, 0)) == {"run-a"})
+        assert "cmp=run-a" in browser.current_url
+        _click(browser, browser.find_element(By.ID, "compare-add"))
+        _wait(browser, "a third chart", lambda d: len(_css(d, "[data-testid=compare-chart]")) == 3)
+
+        # CSV export: every stored metric of the compared runs, one row per run and step
+        downloads = tmp_path / "downloads"
+        downloads.mkdir()
+        browser.execute_cdp_cmd(
+            "Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)}
+        )
+        _click(
+            browser, browser.find_element(By.CSS_SELECTOR, '[data-testid=compare-toggle][data-run="run-b"]')
+        )
+        _wait(browser, "run-b back", lambda d: len(_compare_paths(d, 0)) == 2)
+        _click(browser, browser.find_element(By.ID, "compare-csv"))
+        target = downloads / f"{pool}-runs.csv"
+        _wait(browser, "the CSV download", lambda d: target.is_file() and target.stat().st_size > 0)
+        with target.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert list(rows[0]) == ["run", "step", *keys]
+        assert [(r["run"], int(r["step"])) for r in rows] == [
+            (run, s) for run in ("run-a", "run-b") for s in (1, 2, 3)
+        ]
+        for r in rows:
+            stored = curves[r["run"]][int(r["step"])]
+            assert {k: float(v) for k, v in r.items() if k not in ("run", "step") and v != ""} == stored
+
+        # stored trajectories read as text
+        known = next(
+            d for q in client.iter_questions(pool) if (d := client.question(pool, q.id)).trajectories
+        )
+        browser.get(f"{srv.url}/dashboard#pool={pool}&q={known.id}")
+        _wait(
+            browser,
+            "the question",
+            lambda d: len(_css(d, "[data-testid=trajectory-row]")) == len(known.trajectories),
+        )
+        shown = [c.get_attribute("textContent") for c in _css(browser, "[data-testid=trajectory-text]")]
+        assert shown == [t.text for t in known.trajectories] and all(shown)
+        assert not browser.find_element(By.ID, "error-banner").is_displayed()
+        assert _console_errors(browser) == []

@@ -18,6 +18,9 @@
   const H = 220;
   const M = { l: 48, r: 14, t: 12, b: 26 };
 
+  const COMPARE_DEFAULTS = ["batch/solved", "loss/total"];
+  const COMPARE_MAX = 12; // runs compared at once (the colours repeat after 7)
+
   const CHARTS = [
     {
       id: "solved", title: "Solved fraction and held-out accuracy", yMin: 0, yMax: 1,
@@ -88,6 +91,9 @@
     skewMs: 0,
     errorSource: null,
     q: { mode: "list", query: "", pages: [], index: -1, gen: 0 },
+    // runs of the pool compared side by side: names, each one's metrics (step -> {metrics,
+    // updated_at}), the metric of each comparison chart, the smoothing weight
+    cmp: { selected: new Set(), data: new Map(), charts: [...COMPARE_DEFAULTS], smoothing: 0, gen: 0, timer: null },
     question: null,
   };
 
@@ -261,7 +267,11 @@
   function readHash() {
     const p = new URLSearchParams(location.hash.replace(/^#/, ""));
     const q = p.get("q");
-    return { pool: p.get("pool"), run: p.get("run"), q: q && /^\d+$/.test(q) ? Number(q) : null };
+    const cmp = p.get("cmp");
+    return {
+      pool: p.get("pool"), run: p.get("run"), q: q && /^\d+$/.test(q) ? Number(q) : null,
+      cmp: cmp === null ? null : cmp.split(",").filter(Boolean),
+    };
   }
 
   function writeHash() {
@@ -269,13 +279,14 @@
     if (state.pool) p.set("pool", state.pool);
     if (state.pool && state.run) p.set("run", state.run);
     if (state.pool && state.question) p.set("q", String(state.question.id));
+    if (state.pool && state.cmp.explicit) p.set("cmp", [...state.cmp.selected].join(","));
     const h = p.toString();
     if (location.hash.replace(/^#/, "") !== h) history.replaceState(null, "", h ? `#${h}` : location.pathname);
   }
 
   async function applyHash() {
     const h = readHash();
-    if (h.pool && h.pool !== state.pool) await selectPool(h.pool, { run: h.run, q: h.q });
+    if (h.pool && h.pool !== state.pool) await selectPool(h.pool, { run: h.run, q: h.q, cmp: h.cmp });
     else if (h.pool) {
       if (h.run && h.run !== state.run) await selectRun(h.run);
       if (h.q !== null && (!state.question || state.question.id !== h.q)) await openQuestion(h.q);
@@ -311,6 +322,7 @@
     state.poolInfo = null;
     state.runs = [];
     state.question = null;
+    resetCompare(then && then.cmp);
     writeHash();
     renderPools();
     $("welcome").hidden = true;
@@ -329,6 +341,7 @@
       renderPool();
       renderRuns();
     });
+    if (gen === state.poolGen && state.poolInfo) startCompare(); // loads beside the run and the questions
     if (gen !== state.poolGen) return;
     if (ok === undefined && !state.poolInfo) {
       $("runs-empty").textContent = "Could not load this pool.";
@@ -389,6 +402,7 @@
     );
     $("runs-empty").textContent = state.pool ? "No runs in this pool yet." : "Select a pool.";
     $("runs-empty").hidden = state.runs.length > 0;
+    renderRunsTable();
   }
 
   function stopRun() {
@@ -423,11 +437,12 @@
     return true;
   }
 
-  async function fetchMetrics(after) {
+  async function fetchMetrics(after, run) {
+    const path = run === undefined ? runPath() : `${poolPath()}/runs/${enc(run)}`;
     const out = [];
     let cursor = after;
     for (;;) {
-      const page = await api(`${runPath()}/metrics?after_step=${cursor}&limit=1000`);
+      const page = await api(`${path}/metrics?after_step=${cursor}&limit=1000`);
       out.push(...page.data);
       if (page.count < 1000 || !page.data.length) break;
       cursor = page.data[page.data.length - 1].step;
@@ -544,6 +559,283 @@
     );
   }
 
+  // ------------------------------------------------------------------------- compare runs
+  function runColor(name) {
+    const i = state.runs.findIndex((r) => r.name === name);
+    return COLORS[Math.max(0, i) % COLORS.length];
+  }
+
+  /** The compared runs in the order of the runs table (their colours follow it). */
+  function comparedRuns() {
+    return state.runs.map((r) => r.name).filter((n) => state.cmp.selected.has(n) && state.cmp.data.has(n));
+  }
+
+  function resetCompare(wanted) {
+    const old = state.cmp;
+    clearTimeout(old.timer);
+    state.cmp = {
+      selected: new Set(wanted || []), data: new Map(), charts: old.charts, smoothing: old.smoothing,
+      gen: old.gen + 1, timer: null, explicit: Array.isArray(wanted),
+    };
+    $("compare-panel").hidden = true;
+  }
+
+  /** Every run of the pool is compared unless the link or the user chose some. */
+  function defaultSelection() {
+    const c = state.cmp;
+    const names = state.runs.map((r) => r.name);
+    c.selected = c.explicit
+      ? new Set([...c.selected].filter((n) => names.includes(n)))
+      : new Set(names.slice(0, COMPARE_MAX));
+  }
+
+  async function startCompare() {
+    defaultSelection();
+    $("compare-panel").hidden = state.runs.length === 0;
+    renderRunsTable();
+    buildCompareCharts();
+    if (state.runs.length) await loadCompare(true);
+    scheduleCompare();
+  }
+
+  function renderRunsTable() {
+    const pc = state.poolInfo ? state.poolInfo.config : {};
+    const own = (v, pool) => (v === null || v === undefined ? `${fmt(pool)} (pool)` : fmt(v));
+    $("runs-table-body").replaceChildren(
+      ...state.runs.map((r) => {
+        const on = state.cmp.selected.has(r.name);
+        const sw = el("span", { class: "swatch" });
+        sw.style.setProperty("--c", runColor(r.name));
+        const o = r.overrides || {};
+        return el("tr", { "data-testid": "run-row", "data-run": r.name, class: on ? "selected" : "" },
+          el("td", {}, el("input", {
+            type: "checkbox", checked: on, "data-testid": "compare-toggle", "data-run": r.name,
+            title: `compare ${r.name}`, onchange: (ev) => toggleCompare(r.name, ev.target.checked),
+          })),
+          el("td", {}, sw, el("button", { type: "button", class: "link", text: r.name, title: "open this run",
+            onclick: () => selectRun(r.name) })),
+          el("td", {}, el("span", { class: `badge ${r.phase === "mixed" ? "mixed" : ""}`, text: r.phase.replace("_", "-") })),
+          el("td", { "data-col": "step", text: fmt(r.step) }),
+          el("td", { "data-col": "policy-version", text: fmt(r.policy_version) }),
+          el("td", { "data-col": "epoch", text: fmt(r.epoch) }),
+          el("td", { "data-col": "seed", text: String(r.seed) }),
+          el("td", { "data-col": "experience", text: o.experience === false ? "off (GRPO)" : "on" }),
+          el("td", { "data-col": "ratio", text: own(o.experience_ratio, pc.experience_ratio) }),
+          el("td", { "data-col": "batch-size", text: own(o.batch_size, pc.batch_size) }),
+          el("td", { "data-col": "threshold", text: own(o.start_threshold, pc.start_threshold) }),
+          el("td", { class: "muted", text: localTime(r.created_at) }),
+          el("td", { class: "muted", title: localTime(r.updated_at), text: ago(serverNow() - Date.parse(r.updated_at)) }));
+      }),
+    );
+  }
+
+  async function toggleCompare(name, on) {
+    const c = state.cmp;
+    if (on) c.selected.add(name);
+    else c.selected.delete(name);
+    c.explicit = true;
+    writeHash();
+    renderRunsTable();
+    await loadCompare(false);
+  }
+
+  /** The metrics of every compared run: all of them, or the last few steps again (a step's
+   * numbers arrive in more than one post) plus everything of a run not loaded yet. */
+  async function loadCompare(full) {
+    const c = state.cmp;
+    const gen = c.gen;
+    const names = [...c.selected];
+    const ok = await guarded("compare", async () => {
+      const pages = await Promise.all(names.map((name) => {
+        const have = full ? null : c.data.get(name);
+        const steps = have ? [...have.keys()] : [];
+        return fetchMetrics(steps.length ? Math.max(-1, Math.max(...steps) - 3) : -1, name);
+      }));
+      if (gen !== state.cmp.gen) return;
+      names.forEach((name, i) => {
+        const rows = (!full && c.data.get(name)) || new Map();
+        for (const row of pages[i]) rows.set(row.step, { metrics: row.metrics, updated_at: row.updated_at });
+        c.data.set(name, rows);
+      });
+    });
+    if (gen !== state.cmp.gen) return;
+    renderCompare();
+    if (ok !== undefined) {
+      const steps = comparedRuns().reduce((a, n) => a + c.data.get(n).size, 0);
+      $("compare-status").textContent = `${c.selected.size} of ${state.runs.length} runs compared · ${fmt(steps)} steps`;
+    }
+  }
+
+  function comparePollMs() {
+    const now = serverNow();
+    const active = state.runs.some((r) => state.cmp.selected.has(r.name) && now - Date.parse(r.updated_at) < ACTIVE_MIN_MS);
+    return active ? POLL_LIVE_MS : POLL_IDLE_MS;
+  }
+
+  function scheduleCompare() {
+    const gen = state.cmp.gen;
+    clearTimeout(state.cmp.timer);
+    state.cmp.timer = setTimeout(async () => {
+      if (gen !== state.cmp.gen) return;
+      if ($("live-toggle").checked && !document.hidden && state.runs.length) {
+        const before = state.runs.map((r) => r.name).join("\n");
+        await guarded("compare", loadRuns);
+        if (gen !== state.cmp.gen) return;
+        if (state.runs.map((r) => r.name).join("\n") !== before) {
+          defaultSelection();
+          renderRunsTable();
+        }
+        await loadCompare(false);
+      }
+      if (gen === state.cmp.gen) scheduleCompare();
+    }, comparePollMs());
+  }
+
+  /** Every metric stored for a compared run. */
+  function compareKeys() {
+    const keys = new Set();
+    for (const name of comparedRuns()) {
+      for (const v of state.cmp.data.get(name).values()) for (const k of Object.keys(v.metrics)) keys.add(k);
+    }
+    return [...keys].sort();
+  }
+
+  function buildCompareCharts() {
+    $("compare-charts").replaceChildren(...state.cmp.charts.map((_, i) => {
+      const select = el("select", {
+        "data-testid": "compare-metric", "aria-label": "metric",
+        onchange: (ev) => { state.cmp.charts[i] = ev.target.value; renderCompare(); },
+      });
+      const remove = el("button", {
+        type: "button", class: "link", text: "remove", "data-testid": "compare-remove",
+        onclick: () => { state.cmp.charts.splice(i, 1); buildCompareCharts(); renderCompare(); },
+      });
+      return el("figure", { class: "chart", "data-testid": "compare-chart", "data-chart": i, "data-points": "0" },
+        el("figcaption", {}, select, el("span", {}, el("span", { class: "muted", "data-role": "latest" }), remove)),
+        el("div", { class: "plot" }),
+        el("div", { class: "legend" }),
+        el("div", { class: "chart-empty", text: "no values of this metric in the compared runs" }));
+    }));
+  }
+
+  function addCompareChart() {
+    const keys = compareKeys();
+    const free = keys.find((k) => !state.cmp.charts.includes(k));
+    state.cmp.charts.push(free || keys[0] || COMPARE_DEFAULTS[0]);
+    buildCompareCharts();
+    renderCompare();
+  }
+
+  function fillMetricSelect(select, keys, current) {
+    const all = keys.includes(current) ? keys : [...keys, current].sort();
+    const sig = all.join("\n");
+    if (select.dataset.keys !== sig) {
+      const groups = new Map();
+      for (const k of all) {
+        const g = k.includes("/") ? k.slice(0, k.indexOf("/")) : "other";
+        if (!groups.has(g)) groups.set(g, []);
+        groups.get(g).push(k);
+      }
+      select.replaceChildren(...[...groups].map(([g, ks]) =>
+        el("optgroup", { label: g }, ...ks.map((k) => el("option", { value: k, text: k })))));
+      select.dataset.keys = sig;
+    }
+    select.value = current;
+  }
+
+  function renderCompare() {
+    const keys = compareKeys();
+    $("compare-empty").hidden = state.cmp.selected.size > 0;
+    for (const fig of $("compare-charts").children) {
+      const key = state.cmp.charts[Number(fig.dataset.chart)];
+      fillMetricSelect(fig.querySelector("select"), keys, key);
+      renderCompareChart(fig, key);
+    }
+  }
+
+  /** Exponential moving average with the start-up bias removed (as TensorBoard smooths). */
+  function smooth(pts, w) {
+    if (!(w > 0)) return pts;
+    let acc = 0;
+    return pts.map((p, i) => {
+      acc = acc * w + (1 - w) * p[1];
+      return [p[0], acc / (1 - Math.pow(w, i + 1))];
+    });
+  }
+
+  function renderCompareChart(fig, key) {
+    const c = state.cmp;
+    const series = comparedRuns().map((name) => {
+      const rows = c.data.get(name);
+      const raw = [...rows.keys()].sort((a, b) => a - b)
+        .map((step) => [step, rows.get(step).metrics[key]])
+        .filter((p) => typeof p[1] === "number" && Number.isFinite(p[1]));
+      return { name, color: runColor(name), raw, pts: smooth(raw, c.smoothing) };
+    });
+    const all = series.flatMap((s) => s.raw);
+    fig.dataset.metric = key;
+    legend(fig, series.map((s) => ({ label: `${s.name}${s.raw.length ? "" : " (none)"}`, color: s.color })));
+    const { plot, latest } = chartBody(fig, !all.length);
+    if (!all.length) return;
+    const xs = all.map((p) => p[0]);
+    const [lo, hi] = yDomain([...all.map((p) => p[1]), ...series.flatMap((s) => s.pts.map((p) => p[1]))], {});
+    const f = frame(xs, lo, hi);
+    const line = (pts) => pathD(f, pts);
+    for (const s of series) {
+      if (!s.raw.length) continue;
+      if (c.smoothing > 0) {
+        f.root.append(svg("path", { d: line(s.raw), fill: "none", stroke: s.color, "stroke-width": 1.2, class: "series-raw" }));
+      }
+      const last = s.pts[s.pts.length - 1][1];
+      f.root.append(svg("path", {
+        d: line(s.pts), fill: "none", stroke: s.color, "stroke-width": 1.8, "stroke-linejoin": "round", class: "series",
+        "data-run": s.name, "data-metric": key, "data-points": s.pts.length, "data-smoothing": c.smoothing,
+        "data-last": String(last),
+      }));
+    }
+    latest.textContent = series.filter((s) => s.pts.length)
+      .map((s) => `${s.name} ${fmt(s.pts[s.pts.length - 1][1])}`).join(" · ");
+    hover(f, [...new Set(xs)].sort((a, b) => a - b), (step) =>
+      series.map((s) => {
+        const i = s.raw.findIndex((q) => q[0] === step);
+        return { label: s.name, color: s.color, value: i < 0 ? "–" : fmt(s.pts[i][1]) };
+      }));
+    plot.replaceChildren(f.root);
+    setEmpty(fig, false, all.length);
+  }
+
+  function csvCell(v) {
+    const s = String(v);
+    return /[",\r\n]/.test(s) ? `"${s.replace(/"/g, '""')}"` : s;
+  }
+
+  /** Every stored metric of the compared runs: one row per run and step (raw values, not smoothed). */
+  function compareCsv() {
+    const keys = compareKeys();
+    const lines = [["run", "step", ...keys].map(csvCell).join(",")];
+    for (const name of comparedRuns()) {
+      const rows = state.cmp.data.get(name);
+      for (const step of [...rows.keys()].sort((a, b) => a - b)) {
+        const m = rows.get(step).metrics;
+        lines.push([name, step, ...keys.map((k) => (typeof m[k] === "number" ? m[k] : ""))].map(csvCell).join(","));
+      }
+    }
+    return `${lines.join("\n")}\n`;
+  }
+
+  function exportCsv() {
+    if (!comparedRuns().length) {
+      showError(new Error("tick at least one run in the table to export its metrics"), "compare");
+      return;
+    }
+    const url = URL.createObjectURL(new Blob([compareCsv()], { type: "text/csv" }));
+    const link = el("a", { href: url, download: `${state.pool}-runs.csv`, hidden: true });
+    document.body.append(link);
+    link.click();
+    link.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 60000);
+  }
+
   // -------------------------------------------------------------------------------- charts
   function buildCharts() {
     const box = $("charts");
@@ -646,6 +938,23 @@
     fig.querySelector(".chart-empty").hidden = !empty;
   }
 
+  /** A chart's plot and caption; with nothing to draw, an empty frame and the chart's notice. */
+  function chartBody(fig, empty) {
+    const plot = fig.querySelector(".plot");
+    const latest = fig.querySelector("[data-role=latest]");
+    if (empty) {
+      plot.replaceChildren(frame([0, 1], 0, 1).root);
+      latest.textContent = "";
+      setEmpty(fig, true, 0);
+    }
+    return { plot, latest };
+  }
+
+  /** The svg path of a line through [step, value] points. */
+  function pathD(f, pts) {
+    return pts.map((p, i) => `${i ? "L" : "M"}${f.sx(p[0]).toFixed(1)},${f.sy(p[1]).toFixed(1)}`).join("");
+  }
+
   function renderLines(fig, c, steps) {
     const series = c.series.map((s, i) => {
       const pts = [];
@@ -657,20 +966,14 @@
     });
     const all = series.flatMap((s) => s.pts);
     legend(fig, series.map((s) => ({ label: `${s.label}${s.pts.length ? "" : " (none)"}`, color: s.color })));
-    const plot = fig.querySelector(".plot");
-    const latest = fig.querySelector("[data-role=latest]");
-    if (!all.length) {
-      plot.replaceChildren(frame([0, 1], 0, 1).root);
-      latest.textContent = "";
-      setEmpty(fig, true, 0);
-      return;
-    }
+    const { plot, latest } = chartBody(fig, !all.length);
+    if (!all.length) return;
     const xs = all.map((p) => p[0]);
     const [lo, hi] = yDomain(all.map((p) => p[1]), c);
     const f = frame(xs, lo, hi);
     for (const s of series) {
       if (!s.pts.length) continue;
-      const d = s.pts.map((p, i) => `${i ? "L" : "M"}${f.sx(p[0]).toFixed(1)},${f.sy(p[1]).toFixed(1)}`).join("");
+      const d = pathD(f, s.pts);
       f.root.append(svg("path", {
         d, fill: "none", stroke: s.color, "stroke-width": 1.8, "stroke-linejoin": "round",
         "data-series": s.key, "data-points": s.pts.length, class: "series",
@@ -1006,7 +1309,11 @@
         el("td", { text: t.source_run || "–" }),
         el("td", { text: String(t.step) }),
         el("td", { "data-testid": "trajectory-tokens", text: fmt(t.num_tokens) }),
-        el("td", { class: "muted", text: localTime(t.created_at) }))),
+        el("td", { class: "muted", text: localTime(t.created_at) }),
+        el("td", {
+          class: "response-cell", "data-testid": "trajectory-text", "data-has-text": typeof t.text === "string",
+          text: typeof t.text === "string" ? t.text : "– (stored without its text)",
+        }))),
     );
     $("trajectories-empty").hidden = d.trajectories.length > 0;
     $("question-detail").scrollIntoView({ block: "nearest" });
@@ -1023,7 +1330,10 @@
 
   async function reloadAll() {
     clearError();
-    const h = { pool: state.pool, run: state.run, q: state.question ? state.question.id : null };
+    const h = {
+      pool: state.pool, run: state.run, q: state.question ? state.question.id : null,
+      cmp: state.cmp.explicit ? [...state.cmp.selected] : null,
+    };
     const ok = await guarded("pools", loadPools);
     if (ok === undefined) return;
     if (h.pool && state.pools.some((p) => p.name === h.pool)) await selectPool(h.pool, h);
@@ -1069,6 +1379,17 @@
       if (/^\d+$/.test(v)) openQuestion(Number(v));
     });
     $("eligible-button").addEventListener("click", listEligible);
+    $("smoothing").addEventListener("input", () => {
+      state.cmp.smoothing = Number($("smoothing").value);
+      $("smoothing-value").textContent = state.cmp.smoothing.toFixed(2);
+      renderCompare();
+    });
+    $("compare-add").addEventListener("click", addCompareChart);
+    $("compare-csv").addEventListener("click", exportCsv);
+    $("trajectories-body").addEventListener("click", (ev) => {
+      const row = ev.target.closest("tr");
+      if (row) row.classList.toggle("expanded");
+    });
     $("list-all-button").addEventListener("click", listQuestions);
     $("questions-prev").addEventListener("click", () => showQuestionPage(state.q.index - 1));
     $("questions-next").addEventListener("click", () => showQuestionPage(state.q.index + 1));
