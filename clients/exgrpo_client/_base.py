@@ -197,18 +197,21 @@ def get_pool(name: str) -> Call[s.PoolPublic]:
     return get(f"/v1/pools/{seg(name)}", _model(s.PoolPublic))
 
 
-def update_pool(name: str, description: str | None, config: s.PoolConfig | None) -> Call[s.PoolPublic]:
-    body = s.PoolUpdate.model_validate(_given(description=description, config=config))
+def update_pool(
+    name: str, description: str | None, config: s.PoolConfig | Mapping[str, Any] | None
+) -> Call[s.PoolPublic]:
+    body = s.PoolUpdate.model_validate(_given(description=description, config=config_patch(config)))
     return write("PATCH", f"/v1/pools/{seg(name)}", body, _model(s.PoolPublic))
 
 
-def merged_config(
-    current: s.PoolConfig, changes: s.PoolConfig | Mapping[str, Any] | None
-) -> s.PoolConfig | None:
-    """A mapping changes only the keys it names; a `PoolConfig` replaces the whole config."""
-    if changes is None or isinstance(changes, s.PoolConfig):
-        return changes
-    return s.PoolConfig.model_validate({**current.model_dump(), **changes})
+def config_patch(changes: s.PoolConfig | Mapping[str, Any] | None) -> s.PoolConfigPatch | None:
+    """A mapping changes only the keys it names (the service merges them into the pool's config);
+    a `PoolConfig` gives every key, so it replaces the whole config."""
+    if changes is None:
+        return None
+    if isinstance(changes, s.PoolConfig):
+        return s.PoolConfigPatch.model_validate(changes.model_dump())
+    return s.PoolConfigPatch.model_validate(dict(changes))
 
 
 def pool_stats(pool: str) -> Call[s.PoolStats]:

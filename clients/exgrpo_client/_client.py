@@ -125,10 +125,8 @@ class Client(BaseClient):
         description: str | None = None,
         config: s.PoolConfig | Mapping[str, Any] | None = None,
     ) -> s.PoolPublic:
-        """Change the description or rules. A mapping `config` changes only the keys it names;
-        a `PoolConfig` replaces the rules. `k` and `sharing` cannot change."""
-        if isinstance(config, Mapping):
-            config = b.merged_config(self.get_pool(name).config, config)
+        """Change the description or rules. A mapping `config` changes only the keys it names
+        (merged by the service); a `PoolConfig` replaces the rules. `k` and `sharing` cannot change."""
         return self._request(b.update_pool(name, description, config))
 
     def pool_stats(self, pool: str) -> s.PoolStats:
@@ -469,8 +467,6 @@ class AsyncClient(BaseClient):
         description: str | None = None,
         config: s.PoolConfig | Mapping[str, Any] | None = None,
     ) -> s.PoolPublic:
-        if isinstance(config, Mapping):
-            config = b.merged_config((await self.get_pool(name)).config, config)
         return await self._request(b.update_pool(name, description, config))
 
     async def pool_stats(self, pool: str) -> s.PoolStats:

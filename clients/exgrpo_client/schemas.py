@@ -254,9 +254,31 @@ class PoolCreate(Incoming):
     description: Text = Field("", max_length=2000)
 
 
+class PoolConfigPatch(Incoming):
+    """The `PoolConfig` keys a PATCH changes: only the keys given (null resets a nullable key to its
+    default); the merged config is validated as a whole. `k` and `sharing` cannot change."""
+
+    k: int | None = Field(None, ge=2, le=1024)
+    lbound: int | None = Field(None, ge=0, le=1022)
+    rbound: int | None = Field(None, ge=1, le=1023)
+    weighting: Weighting | None = None
+    mu: FiniteFloat | None = Field(None, ge=-1e6, le=1e6)
+    sigma: FiniteFloat | None = Field(None, ge=1e-6, le=1e6)
+    unit: Literal["count", "accuracy"] | None = None
+    experience_ratio: FiniteFloat | None = Field(None, ge=0, le=1)
+    batch_size: int | None = Field(None, ge=1, le=65_536)
+    start_threshold: FiniteFloat | None = Field(None, ge=0, le=1)
+    sharing: Sharing | None = None
+    active_refresh_margin: int | None = Field(None, ge=0, le=2**31 - 1)
+
+    def merged(self, current: PoolConfig) -> PoolConfig:
+        """`current` with the keys this patch gives (`ValidationError` if the result breaks a rule)."""
+        return PoolConfig.model_validate({**current.model_dump(), **self.model_dump(exclude_unset=True)})
+
+
 class PoolUpdate(Incoming):
     description: Text | None = Field(None, max_length=2000)
-    config: PoolConfig | None = None
+    config: PoolConfigPatch | None = Field(None, description="Keys of the config to change (merged).")
 
 
 class PoolPublic(Strict):
@@ -336,12 +358,25 @@ class Payload(Incoming):
         return self
 
 
+def _binary_reward(value: float) -> float:
+    if value not in (0.0, 1.0):
+        raise ValueError(
+            f"reward must be 0 or 1 (1 = correct: the pool counts correct rollouts), got {value}; map "
+            "a grader's other scores to 0 or 1 before sending them"
+        )
+    return value
+
+
+#: A rollout's reward: 1 correct, 0 not (spec section 7). Other values are refused.
+Reward = Annotated[FiniteFloat, AfterValidator(_binary_reward), Field(json_schema_extra={"enum": [0, 1]})]
+
+
 class RolloutResult(Payload):
     """One graded rollout of a group. Payload fields are required for correct rollouts only."""
 
     token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
     logprobs: list[FiniteFloat] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
-    reward: FiniteFloat = Field(ge=-1e6, le=1e6)
+    reward: Reward
     entropy: FiniteFloat | None = Field(None, ge=0, description="Mean token entropy of the response.")
     replayed: bool = Field(False, description="This row is the replayed stored trajectory.")
     finish_reason: Literal["stop", "length", "abort"] | None = None

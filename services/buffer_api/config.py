@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-Scope = str  # "admin" | "read" | "write:<pool>" | "write:*"
+Scope = str  # "admin" | "read" | "read:<pool>" | "read:*" | "write:<pool>" | "write:*"
 
 DEFAULT_DATA_DIR = Path("exgrpo-data")
 
@@ -32,14 +32,19 @@ class TokenGrant(BaseModel):
     name: str = "client"
     """Who holds it; appears in logs, never the token."""
     scopes: list[Scope] = Field(default_factory=lambda: ["read"])
-    """`admin` (everything), `read`, `write:<pool>` or `write:*`."""
+    """`admin` (everything), `read` (every pool), `read:<pool>`, `write:<pool>` (reads it too) or
+    `read:*` / `write:*` (every pool)."""
 
     @field_validator("scopes")
     @classmethod
     def _known_scopes(cls, v: list[str]) -> list[str]:
         for s in v:
-            if s not in ("admin", "read") and not s.startswith("write:"):
-                raise ValueError(f"unknown scope {s!r}: use admin, read, write:<pool> or write:*")
+            kind, sep, pool = s.partition(":")
+            if s in ("admin", "read") or (sep and kind in ("read", "write") and pool):
+                continue
+            raise ValueError(
+                f"unknown scope {s!r}: use admin, read, read:<pool>, read:*, write:<pool> or write:*"
+            )
         return v
 
 

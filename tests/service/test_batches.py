@@ -134,7 +134,7 @@ async def test_collection_rules_of_one_step(client: httpx.AsyncClient) -> None:
         group(qs[4], [1, 1, 1, 1]),  # k = K: retired, nothing stored
         # k = 2 with both correct rollouts carrying the same tokens: stored once
         group(qs[5], [1, 1, 0, 0], lambda q, row: same if row < 2 else [q, row]),
-        group(qs[6], [0.0, 0.5, 1.0, 0.0]),  # only reward exactly 1 counts as correct
+        group(qs[6], [0.0, 0, 1.0, 0.0]),  # 0 and 1 as floats or integers (others: test_contract)
         group(qs[7], [0, 0, 1, 0], b64=False),  # payloads as JSON lists
     ]
     body = {"groups": groups}

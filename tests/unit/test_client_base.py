@@ -170,13 +170,15 @@ def test_arguments_are_checked_before_anything_is_sent() -> None:
         b.commit_batch("p", "id", [], None, None, False)
 
 
-def test_merged_config_changes_only_the_named_keys() -> None:
-    current = s.PoolConfig(k=4, batch_size=32)
-    merged = b.merged_config(current, {"experience_ratio": 0.25})
-    assert merged == s.PoolConfig(k=4, batch_size=32, experience_ratio=0.25)
-    replacement = s.PoolConfig(k=4)
-    assert b.merged_config(current, replacement) is replacement
-    assert b.merged_config(current, None) is None
+def test_a_config_mapping_patches_only_its_keys() -> None:
+    patch = b.update_pool("p", None, {"experience_ratio": 0.25})
+    assert patch.body is not None and json.loads(patch.body) == {"config": {"experience_ratio": 0.25}}
+    # a whole PoolConfig sends every key: it replaces the config
+    whole = b.update_pool("p", None, s.PoolConfig(k=4))
+    assert whole.body is not None and json.loads(whole.body)["config"] == s.PoolConfig(k=4).model_dump()
+    assert b.config_patch(None) is None
+    with pytest.raises(ValidationError, match="sigmaa"):
+        b.update_pool("p", None, {"sigmaa": 1.0})
 
 
 def test_question_chunks_validate_dicts_and_split() -> None:

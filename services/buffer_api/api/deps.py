@@ -39,8 +39,13 @@ class Principal:
     def is_admin(self) -> bool:
         return "admin" in self.scopes
 
-    def can_read(self) -> bool:
-        return bool(self.scopes)
+    def can_read(self, pool: str | None = None) -> bool:
+        """Whether this principal reads `pool` (None: whether it reads any pool at all)."""
+        if self.scopes & {"admin", "read", "read:*", "write:*"}:
+            return True
+        if pool is None:
+            return any(sc.startswith(("read:", "write:")) for sc in self.scopes)
+        return bool(self.scopes & {f"read:{pool}", f"write:{pool}"})
 
     def can_write(self, pool: str) -> bool:
         return self.is_admin or "write:*" in self.scopes or f"write:{pool}" in self.scopes
@@ -88,7 +93,12 @@ Reader = Annotated[Principal, Depends(require_read)]
 Admin = Annotated[Principal, Depends(require_admin)]
 
 
-async def readable_pool(pool: PoolName, ctx: ContextDep, _: Reader) -> Pool:
+async def readable_pool(pool: PoolName, ctx: ContextDep, principal: Reader) -> Pool:
+    if not principal.can_read(pool):
+        raise Forbidden(
+            f"{principal.name} may not read pool {pool!r} (needs scope read:{pool}, write:{pool}, "
+            "read, read:*, write:* or admin)"
+        )
     return await load_pool(ctx, pool)
 
 
@@ -132,6 +142,11 @@ class Idempotency:
         self.key = request.headers.get("idempotency-key")
         if self.key is not None and not (1 <= len(self.key) <= 255):
             raise BadRequest("Idempotency-Key must be 1 to 255 characters")
+        if self.key is not None:
+            # a key is scoped to its endpoint (method and path, the pool's name included): the same
+            # key sent to another pool or endpoint is another request, neither a replay nor a clash
+            scope = f"{request.method} {request.url.path}\n{self.key}"
+            self.key = hashlib.sha256(scope.encode()).hexdigest()
 
     def _redis_key(self) -> str:
         return f"{self.ctx.settings.redis_prefix}:idem:{self.principal.name}:{self.key}"

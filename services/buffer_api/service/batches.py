@@ -160,7 +160,10 @@ async def _pick_replay(
         if cursor[d.bucket] < len(members):
             picks.append(
                 s.StoredPick(
-                    question_id=members[cursor[d.bucket]], bucket=d.bucket, probability=d.probability
+                    question_id=members[cursor[d.bucket]],
+                    bucket=d.bucket,
+                    # the question's: its bucket's, shared by the bucket's questions (uniform within)
+                    probability=d.probability / sizes[d.bucket],
                 )
             )
         cursor[d.bucket] += 1
@@ -375,12 +378,31 @@ def _check_against_plan(batch: Batch, groups: list[s.GroupResult]) -> None:
     got = Counter((g.question_id, any(r.replayed for r in g.rollouts)) for g in groups)
     if expected == got:
         return
-    missing = sorted(q for (q, rep), n in (expected - got).items() for _ in range(n))
-    extra = sorted(q for (q, rep), n in (got - expected).items() for _ in range(n))
+    missing, extra = expected - got, got - expected
+    parts = []
+    # a planned question sent as the other kind (fresh as replayed, or replayed without its row)
+    for (q, rep), n in sorted((missing & Counter({(q, not r): n for (q, r), n in extra.items()})).items()):
+        missing[(q, rep)] -= n
+        extra[(q, not rep)] -= n
+        if rep:
+            parts.append(
+                f"question {q} is replayed in this batch: its group holds the stored trajectory as a "
+                "row with replayed=true (reward included) and K-1 generated rows"
+            )
+        else:
+            parts.append(
+                f"question {q} is fresh in this batch: its group holds K generated rows, none marked "
+                "replayed=true"
+            )
+    absent = sorted(missing.elements())
+    unplanned = sorted(extra.elements())
+    if absent:
+        parts.append(f"missing groups of question ids {[q for q, _ in absent][:20]}")
+    if unplanned:
+        parts.append(f"question ids {[q for q, _ in unplanned][:20]} are not planned in it (or sent twice)")
     raise BadRequest(
-        f"groups do not match batch {batch.id}: missing question ids {missing[:20]}, unexpected {extra[:20]} "
-        "(send one group per planned question; a replayed question's group marks its stored "
-        "trajectory with replayed=true)"
+        f"groups do not match batch {batch.id}: {'; '.join(parts[:20])} (send one group per planned "
+        "question)"
     )
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 
 from exgrpo_client import schemas as s
@@ -60,12 +63,19 @@ async def update_pool(ctx: Context, name: str, req: s.PoolUpdate) -> s.PoolPubli
             raise NotFound(f"pool {name!r} does not exist")
         if req.config is not None:
             old = pool_config(pool)
-            if req.config.k != old.k or req.config.sharing != old.sharing:
+            patch = req.config
+            if (patch.k is not None and patch.k != old.k) or (
+                patch.sharing is not None and patch.sharing != old.sharing
+            ):
                 raise Conflict(
                     "k and sharing cannot change after creation (stored groups and buckets "
                     "depend on them); create a new pool and import into it"
                 )
-            pool.config = checked_config(req.config).model_dump()
+            try:
+                merged = patch.merged(old)
+            except ValidationError as e:
+                raise BadRequest(f"config: {s.validation_summary(e)}") from e
+            pool.config = checked_config(merged).model_dump()
         if req.description is not None:
             pool.description = req.description
         pool.updated_at = utcnow()
@@ -73,9 +83,10 @@ async def update_pool(ctx: Context, name: str, req: s.PoolUpdate) -> s.PoolPubli
     return pool_public(pool, counts)
 
 
-async def list_pools(ctx: Context) -> s.PoolsPublic:
+async def list_pools(ctx: Context, visible: Callable[[str], bool] = lambda _: True) -> s.PoolsPublic:
+    """The pools `visible(name)` lets the caller see."""
     async with ctx.db.read() as session:
-        pools = await repo.list_pools(session)
+        pools = [p for p in await repo.list_pools(session) if visible(p.name)]
         data = [pool_public(p, await repo.pool_counts(session, p.id)) for p in pools]
     return s.PoolsPublic(data=data, count=len(data))
 

@@ -26,8 +26,9 @@ router = APIRouter(prefix="/v1/pools", tags=["pools"])
 
 
 @router.get("", response_model=s.PoolsPublic)
-async def list_pools(ctx: ContextDep, _: Reader) -> s.PoolsPublic:
-    return await svc.list_pools(ctx)
+async def list_pools(ctx: ContextDep, who: Reader) -> s.PoolsPublic:
+    """The pools the caller may read."""
+    return await svc.list_pools(ctx, visible=who.can_read)
 
 
 @router.post("", response_model=s.PoolPublic, status_code=201)
