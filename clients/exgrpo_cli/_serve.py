@@ -23,6 +23,7 @@ from exgrpo_client.errors import ExgrpoError
 from exgrpo_client.io import QuestionFileError, read_questions
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import Settings
+from exgrpo_pool.config import mask_url as mask_url  # main.py masks the URL of `db upgrade` with it
 from exgrpo_pool.store import db as dbmod
 
 log = logging.getLogger("exgrpo.cli")
@@ -46,13 +47,6 @@ def database_url(flag: str | None) -> str:
         return flag
     # only the database URL matters here, so the "no way in" check must not block a migration
     return Settings(allow_anonymous=True).database_url
-
-
-def mask_url(url: str) -> str:
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
 
 
 def upgrade(url: str) -> None:

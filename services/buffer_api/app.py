@@ -16,10 +16,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from exgrpo_pool import faults
 from exgrpo_pool.api.contract import allowed_methods, install_openapi
 from exgrpo_pool.api.routes import batches, dashboard, docs, pools, runs
 from exgrpo_pool.config import Settings
@@ -116,20 +118,42 @@ def install_handlers(app: FastAPI) -> None:
             return problem(405, title, detail, request, headers={"Allow": allow})
         return problem(exc.status_code, title, str(exc.detail), request)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error(
-            "unhandled error",
-            exc_info=exc,
+    @app.exception_handler(RedisError)
+    async def _redis_unavailable(request: Request, exc: RedisError) -> JSONResponse:
+        # Redis is only read or written before a request's transaction commits (index updates
+        # after a commit never raise), so the transaction was rolled back
+        log.warning(
+            "redis unavailable: %s",
+            exc,
             extra={"fields": {"path": request.url.path, "request_id": request.state.request_id}},
         )
-        return problem(
-            500,
-            "Internal error",
-            "the service failed; the request changed nothing. "
-            "Retry, and report the request_id if it persists",
+        response = problem(
+            503,
+            "Service unavailable",
+            f"the sampling index (Redis) did not answer ({type(exc).__name__}); the request changed "
+            "nothing. Retry in a moment",
             request,
         )
+        response.headers["Retry-After"] = "1"
+        return response
+
+
+def unexpected_problem(request: Request, exc: Exception) -> JSONResponse:
+    """The answer to an exception no handler knows. It is produced inside the observability
+    middleware, so it is logged and counted like any answer, and the connection stays usable.
+    Whatever the failure, the request's transaction was rolled back: a write that committed never
+    raises afterwards (index updates after a commit log their failures)."""
+    log.error(
+        "unhandled error",
+        exc_info=exc,
+        extra={"fields": {"path": request.url.path, "request_id": request.state.request_id}},
+    )
+    return problem(
+        500,
+        "Internal error",
+        "the service failed; the request changed nothing. Retry, and report the request_id if it persists",
+        request,
+    )
 
 
 # -------------------------------------------------------------------------------- middleware
@@ -221,7 +245,11 @@ def install_observability(app: FastAPI, metrics: Metrics) -> None:
     async def _observe(request: Request, call_next: Any) -> Response:
         request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
         start = time.perf_counter()
-        response: Response = await call_next(request)
+        response: Response
+        try:
+            response = await call_next(request)
+        except Exception as exc:  # answered here, not by the server: see unexpected_problem
+            response = unexpected_problem(request, exc)
         elapsed = time.perf_counter() - start
         route = getattr(request.scope.get("route"), "path", "unmatched")
         metrics.request_seconds.labels(request.method, route, str(response.status_code)).observe(elapsed)
@@ -251,10 +279,19 @@ async def build_context(settings: Settings, metrics: Metrics | None = None) -> C
     index: Any
     if settings.redis_url:
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
 
         from exgrpo_pool.index.redis import RedisIndex
 
-        redis_client = aioredis.from_url(settings.redis_url)
+        # short timeouts and one immediate retry (a connection left over from before a Redis
+        # restart fails once): an unreachable Redis is answered 503 within about two timeouts
+        redis_client = aioredis.from_url(
+            settings.redis_url,
+            socket_timeout=settings.redis_timeout_s,
+            socket_connect_timeout=settings.redis_timeout_s,
+            retry=Retry(NoBackoff(), 1),
+        )
         index = RedisIndex(redis_client, settings.redis_prefix)
     else:
         index = MemoryIndex()
@@ -309,6 +346,9 @@ def create_app(settings: Settings) -> FastAPI:
     install_handlers(app)
     install_observability(app, metrics)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes, import_limit=settings.max_import_bytes)
+    if faults.enabled():
+        log.warning("fault hooks are on (%s=1): for fault tests only", faults.ENV)
+        app.add_middleware(faults.FaultHooks)
 
     @app.get("/healthz", tags=["ops"])
     async def healthz() -> dict[str, str]:

@@ -24,6 +24,29 @@ EXAMPLE_SECRET = re.compile(r"replace[-_ ]?(me|with)", re.IGNORECASE)
 """The placeholders of .env.example ("replace-with-...") and deploy/k8s/secret.yaml ("REPLACE-ME-...")."""
 
 
+#: query parameters of a URL whose values are secrets (password=, sslkey=, access_token=, ...)
+_SECRET_PARAM = re.compile(r"pass|secret|token|key|credential", re.IGNORECASE)
+
+
+def mask_url(url: str) -> str:
+    """A URL as it may be printed or logged: the user info (user and password) replaced by `***`,
+    and so are the values of query parameters named like secrets. Other text is returned as is."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    if "@" in rest:
+        # the last @ ends the user info (an unescaped @ or / in a password must not leak a part)
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    base, qsep, query = rest.partition("?")
+    if qsep:
+        params = []
+        for param in query.split("&"):
+            name, eq, _ = param.partition("=")
+            params.append(f"{name}=***" if eq and _SECRET_PARAM.search(name) else param)
+        rest = base + "?" + "&".join(params)
+    return f"{scheme}://{rest}"
+
+
 class TokenGrant(BaseModel):
     """A bearer token and what it may do."""
 
@@ -76,6 +99,9 @@ class Settings(BaseSettings):
     them in process (one service process only)."""
     redis_prefix: str = "exgrpo"
     """Prefix of every Redis key, so several deployments can share one Redis."""
+    redis_timeout_s: float = Field(1.0, gt=0, le=60)
+    """Longest wait for Redis to connect or answer; a request that needs an unreachable Redis is
+    answered 503 after about twice this (one retry)."""
     host: str = "127.0.0.1"
     """Address to bind. The default only accepts connections from this machine."""
     port: int = Field(8700, ge=0, le=65535)
@@ -154,7 +180,4 @@ class Settings(BaseSettings):
         """What is printed at start-up: everything but secrets."""
         d = self.model_dump()
         d["tokens"] = [{"name": t.name, "scopes": t.scopes} for t in self.tokens]
-        if "@" in d["database_url"]:
-            scheme, rest = d["database_url"].split("://", 1)
-            d["database_url"] = f"{scheme}://***@{rest.split('@', 1)[1]}"
-        return d
+        return {k: mask_url(v) if isinstance(v, str) else v for k, v in d.items()}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -12,9 +11,10 @@ from typing import Annotated, Any
 from fastapi import Depends, Header, Path, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from sqlalchemy.exc import IntegrityError
 
 from exgrpo_client.schemas import NAME_PATTERN
-from exgrpo_pool.errors import BadRequest, Forbidden, Unauthorized
+from exgrpo_pool.errors import BadRequest, Conflict, Forbidden, Unauthorized
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.leases import LeaseClaim, parse_lease_header
 from exgrpo_pool.service.pools import load_pool
@@ -128,12 +128,24 @@ RunLeaseDep = Annotated[LeaseClaim | None, Depends(run_lease_claim)]
 
 
 # --------------------------------------------------------------------------- idempotent writes
+#: the key of a recorded response that holds its body as JSON text
+RAW = "json_text"
+
+
+class _KeyTaken(Exception):
+    """Another request recorded this key first (it committed while this one waited for it)."""
+
+
 class Idempotency:
     """Replays the first response of a write sent again with the same `Idempotency-Key`.
 
-    Every write is also idempotent by construction (a batch commits once, questions and
-    trajectories are de-duplicated, task completion checks its lease), so a key lost in a crash
-    between the write and the key's record costs nothing but an identical response."""
+    The key's record is written in the write's own transaction: first (so a concurrent request
+    with the same key waits for the first one on the key's primary key, then replays its answer),
+    and completed with the response before the commit. A crash leaves both or neither, so a retry
+    after one gets the first answer or does the write for the first time."""
+
+    #: rounds of lookup-then-write a request tries while concurrent holders of its key roll back
+    ATTEMPTS = 3
 
     def __init__(self, request: Request, ctx: ContextDep, principal: PrincipalDep) -> None:
         self.request = request
@@ -147,9 +159,6 @@ class Idempotency:
             # key sent to another pool or endpoint is another request, neither a replay nor a clash
             scope = f"{request.method} {request.url.path}\n{self.key}"
             self.key = hashlib.sha256(scope.encode()).hexdigest()
-
-    def _redis_key(self) -> str:
-        return f"{self.ctx.settings.redis_prefix}:idem:{self.principal.name}:{self.key}"
 
     async def run(
         self,
@@ -166,40 +175,66 @@ class Idempotency:
         body = await self.request.body()
         route = f"{self.request.method} {self.request.url.path}"
         digest = hashlib.sha256(route.encode() + b"\n" + body).hexdigest()
-        cached = await self._lookup()
-        if cached is not None:
-            if cached["request_hash"] != digest:
-                raise BadRequest("this Idempotency-Key was used for a different request; use a new key")
-            headers = {"Idempotent-Replayed": "true"}
-            if resolve is not None and "ref" in cached["response"]:
-                return _response(await resolve(cached["response"]["ref"]), cached["status_code"], headers)
-            return JSONResponse(cached["response"], status_code=cached["status_code"], headers=headers)
-        result = await fn()
-        response = _response(result, status_code)
-        stored = {"ref": reference(result)} if reference is not None else json.loads(response.body)
-        record = {"request_hash": digest, "status_code": status_code, "response": stored, "route": route}
-        await self._store(record)
+        for _ in range(self.ATTEMPTS):
+            cached = await self._lookup()
+            if cached is not None:
+                return await self._replay(cached, digest, resolve)
+            try:
+                return await self._first(fn, status_code, route, digest, reference)
+            except _KeyTaken:
+                continue
+        raise Conflict(f"Idempotency-Key {self.key!r} is in use by another request; retry in a moment")
+
+    async def _first(
+        self,
+        fn: Callable[[], Awaitable[BaseModel | dict[str, Any]]],
+        status_code: int,
+        route: str,
+        digest: str,
+        reference: Callable[[Any], dict[str, Any]] | None,
+    ) -> Any:
+        async with self.ctx.db.transaction() as session:
+            record = IdempotencyKey(
+                key=self.key,
+                principal=self.principal.name,
+                route=route,
+                request_hash=digest,
+                status_code=status_code,
+                response={},
+                created_at=utcnow(),
+            )
+            session.add(record)
+            try:
+                await session.flush()
+            except IntegrityError as e:
+                raise _KeyTaken() from e
+            result = await fn()
+            response = _response(result, status_code)
+            # the body as text: a JSONB column would reorder its keys, and a replay is byte-identical
+            record.response = (
+                {"ref": reference(result)} if reference is not None else {RAW: bytes(response.body).decode()}
+            )
         return response
 
-    async def _lookup(self) -> dict[str, Any] | None:
-        if self.ctx.redis is not None:
-            raw = await self.ctx.redis.get(self._redis_key())
-            if raw:
-                return json.loads(raw)
-        async with self.ctx.db.read() as session:
-            row = await repo.get_idempotent(session, self.key or "", self.principal.name)
-        if row is None:
-            return None
-        return {"request_hash": row.request_hash, "status_code": row.status_code, "response": row.response}
+    async def _replay(
+        self,
+        cached: IdempotencyKey,
+        digest: str,
+        resolve: Callable[[dict[str, Any]], Awaitable[BaseModel]] | None,
+    ) -> Any:
+        if cached.request_hash != digest:
+            raise BadRequest("this Idempotency-Key was used for a different request; use a new key")
+        headers = {"Idempotent-Replayed": "true"}
+        stored = cached.response
+        if resolve is not None and "ref" in stored:
+            return _response(await resolve(stored["ref"]), cached.status_code, headers)
+        if isinstance(stored.get(RAW), str) and len(stored) == 1:
+            return Response(stored[RAW], cached.status_code, headers, media_type="application/json")
+        return JSONResponse(stored, status_code=cached.status_code, headers=headers)  # an older record
 
-    async def _store(self, record: dict[str, Any]) -> None:
-        async with self.ctx.db.write() as session:
-            if await repo.get_idempotent(session, self.key or "", self.principal.name) is None:
-                session.add(
-                    IdempotencyKey(key=self.key, principal=self.principal.name, created_at=utcnow(), **record)
-                )
-        if self.ctx.redis is not None:
-            await self.ctx.redis.set(self._redis_key(), json.dumps(record), ex=24 * 3600)
+    async def _lookup(self) -> IdempotencyKey | None:
+        async with self.ctx.db.read() as session:
+            return await repo.get_idempotent(session, self.key or "", self.principal.name)
 
 
 IdempotencyDep = Annotated[Idempotency, Depends(Idempotency)]

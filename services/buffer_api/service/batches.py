@@ -24,13 +24,17 @@ from exgrpo_pool.domain import (
     take_fresh,
 )
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
-from exgrpo_pool.index.base import RebuildLost
+from exgrpo_pool.index.base import Move, RebuildLost
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
+    COMMIT_DIGEST,
     RunScopes,
+    commit_digest,
+    committed_result,
     messages,
     rules_for,
     run_overrides,
+    same_commit,
     scopes_of,
     stored_plan,
     trajectory_public,
@@ -74,13 +78,25 @@ async def ensure_index(ctx: Context, session: AsyncSession, scope: int) -> None:
 
 
 async def _apply_moves(ctx: Context, scope: int, applied: Applied) -> None:
-    """After the database commit. If the index cannot follow, forget the scope: it is rebuilt from
-    the database on its next use."""
+    """Make the index follow a write once its transaction has committed (at the end of the
+    request's shared transaction, if there is one)."""
+    await ctx.db.after_commit(lambda: _follow(ctx, scope, applied.moves))
+
+
+async def _follow(ctx: Context, scope: int, moves: list[Move]) -> None:
+    """After the database commit, which stands whatever happens here: if the index cannot follow
+    (Redis down), the scope is marked stale, in Redis if it answers and in this process anyway,
+    and rebuilt from the database on its next use."""
     try:
-        await ctx.index.apply(scope, applied.moves)
+        await ctx.index.apply(scope, moves)
+        return
     except Exception:
-        log.exception("index update failed; scope %s will be rebuilt", scope)
+        log.warning("index update failed; scope %s will be rebuilt", scope, exc_info=True)
+    ctx.stale_scopes.add(scope)
+    try:
         await ctx.index.drop(scope)
+    except Exception:
+        log.warning("index of scope %s could not be marked stale", scope, exc_info=True)
 
 
 # ----------------------------------------------------------------------------- fresh questions
@@ -413,8 +429,12 @@ async def commit_batch(
         batch, run = await _batch_and_run(session, pool, batch_id, lock=True)
         await check_fence(session, run, lease)
         if batch.status == "committed":
-            assert batch.result is not None
-            return s.CommitResult.model_validate(batch.result, strict=False)
+            if not same_commit(batch, req):
+                raise Conflict(
+                    f"batch {batch_id} is already committed (step {batch.step}) with other groups; "
+                    "a commit is applied once: plan the next batch for new results"
+                )
+            return committed_result(batch)
         if batch.status == "abandoned":
             raise Conflict(f"batch {batch_id} was abandoned (re-planned); plan a new batch")
         if batch.step != run.step + 1:
@@ -465,7 +485,8 @@ async def commit_batch(
         if req.with_stats:
             # read in this transaction, after its writes: the state the commit leaves behind
             result.stats = await collect_run_stats(ctx, session, pool, run, last=batch)
-        batch.result = result.model_dump()  # a replayed commit answers exactly this, stats included
+        # a replayed commit answers exactly this, stats included
+        batch.result = {**result.model_dump(), COMMIT_DIGEST: commit_digest(req)}
     await _apply_moves(ctx, scopes.state, applied)
     ctx.metrics.batches_committed.labels(pool.name).inc()
     ctx.metrics.run_solved.labels(pool.name, run.name).set(solved)

@@ -61,6 +61,30 @@ def stored_plan(batch: Batch) -> s.StoredPlan:
     return s.StoredPlan.model_validate(batch.plan)
 
 
+#: The key of a committed batch's `result` JSON that holds, beside its answer, a digest of what
+#: was committed (batches committed before it existed have none).
+COMMIT_DIGEST = "groups_sha256"
+
+
+def commit_digest(req: s.BatchCommit) -> str:
+    """What a commit applies: its groups and policy version (not metrics or with_stats)."""
+    return hashlib.sha256(req.model_dump_json(include={"groups", "policy_version"}).encode()).hexdigest()
+
+
+def committed_result(batch: Batch) -> s.CommitResult:
+    """The answer of a committed batch's commit."""
+    assert batch.result is not None
+    answer = {k: v for k, v in batch.result.items() if k != COMMIT_DIGEST}
+    return s.CommitResult.model_validate(answer, strict=False)
+
+
+def same_commit(batch: Batch, req: s.BatchCommit) -> bool:
+    """Whether `req` commits what the committed `batch` was committed with."""
+    assert batch.result is not None
+    digest = batch.result.get(COMMIT_DIGEST)
+    return digest is None or digest == commit_digest(req)
+
+
 @dataclass(frozen=True, slots=True)
 class RunScopes:
     """Where a run's state lives: `state` holds its buckets and retirement (`run_question`),

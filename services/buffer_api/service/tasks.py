@@ -11,7 +11,7 @@ from exgrpo_client import schemas as s
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
 from exgrpo_pool.service.batches import _batch_and_run, _get_run
 from exgrpo_pool.service.context import Context
-from exgrpo_pool.service.convert import decode_payload, messages
+from exgrpo_pool.service.convert import committed_result, decode_payload, messages
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import Pool, Task, utcnow
 
@@ -130,7 +130,7 @@ async def batch_status(ctx: Context, pool: Pool, batch_id: str) -> s.BatchStatus
         tasks_pending=counts.get("pending", 0),
         tasks_leased=counts.get("leased", 0),
         tasks_failed=counts.get("failed", 0),
-        result=None if batch.result is None else s.CommitResult.model_validate(batch.result, strict=False),
+        result=None if batch.result is None else committed_result(batch),
     )
 
 

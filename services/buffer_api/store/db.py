@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from alembic import command
@@ -13,6 +15,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+from exgrpo_pool import faults
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -39,9 +43,23 @@ def make_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
     return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
 
 
+@dataclass
+class _Shared:
+    """The transaction of `Database.transaction()`, joined by every `write()` and `read()` of the
+    task until it ends."""
+
+    db: Database
+    session: AsyncSession
+    after_commit: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+_shared: ContextVar[_Shared | None] = ContextVar("exgrpo_shared_transaction", default=None)
+
+
 class Database:
     """Owns the engine. `write()` opens one transaction; on SQLite writes are serialised in
-    process (SQLite allows one writer at a time and would otherwise answer `database is locked`)."""
+    process (SQLite allows one writer at a time and would otherwise answer `database is locked`).
+    Inside `transaction()` every `write()` and `read()` joins that one transaction instead."""
 
     def __init__(self, url: str, *, pool_size: int = 10) -> None:
         self.url = url
@@ -50,16 +68,57 @@ class Database:
         self.is_sqlite = self.engine.dialect.name == "sqlite"
         self._write_lock = asyncio.Lock() if self.is_sqlite else None
 
+    def _joined(self) -> _Shared | None:
+        shared = _shared.get()
+        return shared if shared is not None and shared.db is self else None
+
     @contextlib.asynccontextmanager
     async def write(self) -> AsyncIterator[AsyncSession]:
+        shared = self._joined()
+        if shared is not None:
+            yield shared.session
+            # a unique violation or the like surfaces in the block that caused it
+            await shared.session.flush()
+            return
         lock = self._write_lock or contextlib.nullcontext()
         async with lock, self.sessions() as session, session.begin():
             yield session
+        faults.committed()
 
     @contextlib.asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncSession]:
+        shared = self._joined()
+        if shared is not None:
+            yield shared.session
+            return
         async with self.sessions() as session:
             yield session
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncSession]:
+        """One write transaction for everything the block does, through this object's `write()`
+        and `read()` included: an idempotent request commits its writes and its key record
+        together. What `after_commit` was given runs once the transaction has committed."""
+        if self._joined() is not None:
+            raise RuntimeError("Database.transaction() does not nest")
+        async with self.write() as session:
+            shared = _Shared(self, session)
+            token = _shared.set(shared)
+            try:
+                yield session
+            finally:
+                _shared.reset(token)
+        for callback in shared.after_commit:
+            await callback()
+
+    async def after_commit(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Run `callback` after the current `transaction()` commits, or now outside of one (the
+        caller's own transaction has ended then). It must not raise: the write stands."""
+        shared = self._joined()
+        if shared is None:
+            await callback()
+        else:
+            shared.after_commit.append(callback)
 
     async def close(self) -> None:
         await self.engine.dispose()
