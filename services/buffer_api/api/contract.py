@@ -2,7 +2,7 @@
 
 FastAPI documents the success answer of each operation and a 422 with its own validation body.
 This service answers every error as problem+json (RFC 9457, `schemas.Problem`) and can answer
-401, 403, 404, 409, 413, 422 and 503, so `install_openapi` rewrites the generated document once:
+400, 401, 403, 404, 409, 413, 422 and 503, so `install_openapi` rewrites the generated document once:
 each operation lists the errors it can give with the Problem schema, writes declare their
 `Idempotency-Key` header, and the few bodies that are not JSON models say their media type.
 Which errors an operation can give follows from what it is (its path, its method, whether it
@@ -28,6 +28,7 @@ PROBLEM = "application/problem+json"
 PROBLEM_REF = {"$ref": "#/components/schemas/Problem"}
 
 ERRORS: dict[int, str] = {
+    400: "The body could not be read (not UTF-8 text of the declared media type).",
     401: "No bearer token, or an unknown one.",
     403: "The token lacks the scope this needs (read, write:<pool>, write:* or admin).",
     404: "The pool, run, batch, task or question in the path does not exist.",
@@ -107,7 +108,7 @@ def _errors_of(path: str, method: str, op: dict[str, Any]) -> list[int]:
     if op.get("parameters") or "requestBody" in op:
         statuses.add(422)
     if "requestBody" in op:
-        statuses.add(413)
+        statuses |= {400, 413}
     return sorted(statuses)
 
 
