@@ -27,7 +27,7 @@ from service.harness import (
     serve,
 )
 
-from exgrpo_pool.api.contract import operations
+from exgrpo_pool.api.contract import dependency_calls, operations
 from exgrpo_pool.api.deps import require_admin, writable_pool
 from exgrpo_pool.app import create_app
 
@@ -110,6 +110,8 @@ VALID: dict[tuple[str, str], Request] = {
     ("POST", "/v1/pools/{pool}/index/rebuild"): lambda w: ("/v1/pools/p1/index/rebuild", None),
     ("POST", "/v1/admin/index/rebuild"): lambda w: ("/v1/admin/index/rebuild", None),
     ("POST", "/v1/pools/import"): lambda w: ("/v1/pools/import?name=p1-copy", w.export.encode()),
+    ("DELETE", "/v1/pools/{pool}/runs/{run}"): lambda w: ("/v1/pools/p1/runs/r2", None),
+    ("DELETE", "/v1/pools/{pool}"): lambda w: ("/v1/pools/p3", None),
 }
 
 
@@ -121,7 +123,7 @@ def _write_routes() -> dict[tuple[str, str], str]:
     for op in operations(app.routes):
         if not op.path.startswith("/v1/"):
             continue
-        calls = _calls(op.route)
+        calls = dependency_calls(op.route.dependant)
         for method in op.methods & WRITE_METHODS:
             # creating pool p3 needs write:p3 or write:*, which of our tokens only the admin has
             # (/v1/admin/ routes check the admin scope in their body)
@@ -132,12 +134,6 @@ def _write_routes() -> dict[tuple[str, str], str]:
             else:
                 out[(method, op.path)] = "reader"
     return out
-
-
-def _calls(route: Any) -> set[Any]:
-    from exgrpo_pool.api.contract import _calls as calls_of
-
-    return calls_of(route.dependant)
 
 
 async def _world(admin: httpx.AsyncClient) -> World:
@@ -190,6 +186,8 @@ async def test_every_write_endpoint_refuses_the_wrong_callers(backend: Backend) 
         world = await _world(admin)
         refused = 0
         for (method, path), build in VALID.items():
+            if (method, path) not in routes:
+                continue  # an endpoint this version of the service does not have
             meant_for = routes[(method, path)]
             url, body = build(world)
             bad: list[tuple[str, httpx.AsyncClient, dict[str, str], int]] = [
@@ -213,4 +211,5 @@ async def test_every_write_endpoint_refuses_the_wrong_callers(backend: Backend) 
             right = {"admin": admin, "writer": writer, "reader": reader}[meant_for]
             r = await _send(right, method, url, body, {})
             assert r.status_code < 300, (method, path, meant_for, r.status_code, r.text[:500])
-        assert refused >= 4 * len(routes) - 8
+        print(f"{backend.name}: {len(routes)} write endpoints, {refused} refused attempts, none wrote")
+        assert refused >= 3 * len(routes)

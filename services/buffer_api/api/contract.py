@@ -90,10 +90,11 @@ def operations(routes: Sequence[BaseRoute]) -> Iterator[Operation]:
             yield Operation(ctx.path_format, frozenset(ctx.methods or ()), ctx.original_route)
 
 
-def _calls(dependant: Dependant) -> set[Any]:
+def dependency_calls(dependant: Dependant) -> set[Any]:
+    """Every callable a route depends on, directly or through other dependencies."""
     out = {dependant.call}
     for sub in dependant.dependencies:
-        out |= _calls(sub)
+        out |= dependency_calls(sub)
     return out
 
 
@@ -122,7 +123,7 @@ def describe(spec: dict[str, Any], routes: list[Any]) -> None:
         route = operation.route
         if not isinstance(route, APIRoute) or not route.include_in_schema:
             continue
-        calls = _calls(route.dependant)
+        calls = dependency_calls(route.dependant)
         path = operation.path
         for method in sorted(m.lower() for m in operation.methods):
             op = spec["paths"].get(path, {}).get(method)
