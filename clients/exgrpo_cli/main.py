@@ -43,9 +43,11 @@ app = typer.Typer(
 )
 pool_app = typer.Typer(help="Create, inspect, export and import pools.", no_args_is_help=True)
 questions_app = typer.Typer(help="Add questions to a pool.", no_args_is_help=True)
+runs_app = typer.Typer(help="Manage the runs of a pool.", no_args_is_help=True)
 db_app = typer.Typer(help="Database maintenance (needs the server extra).", no_args_is_help=True)
 app.add_typer(pool_app, name="pool")
 app.add_typer(questions_app, name="questions")
+app.add_typer(runs_app, name="runs")
 app.add_typer(db_app, name="db")
 rollout_cmds.register(app)
 model_cmds.register(app)
@@ -415,8 +417,22 @@ def pool_create(
         typer.Option(help="Bucket weighting of replay sampling.", show_default="normal"),
     ] = None,
     sharing: Annotated[
-        Literal["per_run", "pooled"] | None,
-        typer.Option(help="Buckets and retirement per run, or pooled.", show_default="per_run"),
+        Literal["per_run", "pooled", "shared_trajectories"] | None,
+        typer.Option(
+            help="What the pool's runs share: nothing (per_run), buckets, retirement and trajectories "
+            "(pooled), or trajectories only (shared_trajectories).",
+            show_default="per_run",
+        ),
+    ] = None,
+    max_trajectories_per_question: Annotated[
+        int | None,
+        typer.Option(help="Keep the newest N stored trajectories per question.", show_default="no limit"),
+    ] = None,
+    max_payload_bytes: Annotated[
+        int | None,
+        typer.Option(
+            help="Evict the oldest trajectories beyond this many payload bytes.", show_default="no limit"
+        ),
     ] = None,
     config: Annotated[
         Path | None, typer.Option("--config", help="YAML or JSON file of pool rules (flags override it).")
@@ -432,6 +448,8 @@ def pool_create(
         "experience_ratio": experience_ratio,
         "weighting": weighting,
         "sharing": sharing,
+        "max_trajectories_per_question": max_trajectories_per_question,
+        "max_payload_bytes": max_payload_bytes,
     }
     rules.update({key: value for key, value in flags.items() if value is not None})
     with _state(ctx, as_json).client() as client:
@@ -472,6 +490,62 @@ def pool_stats(
     with _state(ctx, as_json).client() as client:
         stats = client.pool_stats(name)
     render.show(_state(ctx).json, stats, lambda: render.stats_table(stats))
+
+
+def _confirm(yes: bool, what: str) -> None:
+    if not yes and not typer.confirm(f"{what}? This cannot be undone", err=True):
+        raise typer.Exit(1)
+
+
+@pool_app.command("delete")
+@friendly_errors
+def pool_delete(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Pool name.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    force: Annotated[bool, typer.Option(help="Delete even while trainers hold leases of its runs.")] = False,
+    as_json: render.JsonOption = False,
+) -> None:
+    """Delete a pool and everything in it: questions, runs, states, trajectories (admin)."""
+    state = _state(ctx, as_json)
+    _confirm(yes, f"delete pool {name!r} and everything in it")
+    with state.client() as client:
+        client.delete_pool(name, force=force)
+    result = {"deleted": "pool", "pool": name}
+    render.show(state.json, result, lambda: render.kv_table(f"deleted pool {name}", result))
+
+
+@runs_app.command("list")
+@friendly_errors
+def runs_list(
+    ctx: typer.Context,
+    pool: Annotated[str, typer.Argument(help="Pool name.")],
+    as_json: render.JsonOption = False,
+) -> None:
+    """The runs of a pool."""
+    with _state(ctx, as_json).client() as client:
+        runs = client.list_runs(pool)
+    rows = {r.name: f"{r.phase}, step {r.step}, policy version {r.policy_version}" for r in runs.data}
+    render.show(_state(ctx).json, runs, lambda: render.kv_table(f"runs of {pool}", rows))
+
+
+@runs_app.command("delete")
+@friendly_errors
+def runs_delete(
+    ctx: typer.Context,
+    pool: Annotated[str, typer.Argument(help="Pool name.")],
+    run: Annotated[str, typer.Argument(help="Run name.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    force: Annotated[bool, typer.Option(help="Delete even while a trainer holds its lease.")] = False,
+    as_json: render.JsonOption = False,
+) -> None:
+    """Delete a run: its states, own trajectories, batches, tasks and metrics (admin)."""
+    state = _state(ctx, as_json)
+    _confirm(yes, f"delete run {run!r} of pool {pool!r}")
+    with state.client() as client:
+        client.delete_run(pool, run, force=force)
+    result = {"deleted": "run", "pool": pool, "run": run}
+    render.show(state.json, result, lambda: render.kv_table(f"deleted run {run} of {pool}", result))
 
 
 @pool_app.command("export")

@@ -214,6 +214,11 @@ def config_patch(changes: s.PoolConfig | Mapping[str, Any] | None) -> s.PoolConf
     return s.PoolConfigPatch.model_validate(dict(changes))
 
 
+def delete_pool(name: str, force: bool) -> Call[None]:
+    params = {"force": "true"} if force else None
+    return write("DELETE", f"/v1/pools/{seg(name)}", None, _nothing, params=params)
+
+
 def pool_stats(pool: str) -> Call[s.PoolStats]:
     return get(f"/v1/pools/{seg(pool)}/stats", _model(s.PoolStats))
 
@@ -270,6 +275,11 @@ def update_run(
 ) -> Call[s.RunPublic]:
     body = s.RunUpdate.model_validate(_given(phase=phase, overrides=overrides))
     return write("PATCH", f"{_runs(pool)}/{seg(run)}", body, _model(s.RunPublic), run=(pool, run))
+
+
+def delete_run(pool: str, run: str, force: bool) -> Call[None]:
+    params = {"force": "true"} if force else None
+    return write("DELETE", f"{_runs(pool)}/{seg(run)}", None, _nothing, params=params)
 
 
 def run_stats(pool: str, run: str) -> Call[s.RunStats]:

@@ -129,6 +129,11 @@ class Client(BaseClient):
         (merged by the service); a `PoolConfig` replaces the rules. `k` and `sharing` cannot change."""
         return self._request(b.update_pool(name, description, config))
 
+    def delete_pool(self, name: str, *, force: bool = False) -> None:
+        """Delete a pool and everything in it (admin). `Conflict` while a writer holds a lease of
+        one of its runs, unless `force`."""
+        self._request(b.delete_pool(name, force))
+
     def pool_stats(self, pool: str) -> s.PoolStats:
         return self._request(b.pool_stats(pool))
 
@@ -200,6 +205,11 @@ class Client(BaseClient):
         overrides: s.RunOverrides | Mapping[str, Any] | None = None,
     ) -> s.RunPublic:
         return self._request(b.update_run(pool, run, phase, overrides))
+
+    def delete_run(self, pool: str, run: str, *, force: bool = False) -> None:
+        """Delete a run with its states, own trajectories, batches and metrics (admin). `Conflict`
+        while a writer holds its lease, unless `force`."""
+        self._request(b.delete_run(pool, run, force))
 
     def run_stats(self, pool: str, run: str) -> s.RunStats:
         return self._request(b.run_stats(pool, run))
@@ -469,6 +479,11 @@ class AsyncClient(BaseClient):
     ) -> s.PoolPublic:
         return await self._request(b.update_pool(name, description, config))
 
+    async def delete_pool(self, name: str, *, force: bool = False) -> None:
+        """Delete a pool and everything in it (admin). `Conflict` while a writer holds a lease of
+        one of its runs, unless `force`."""
+        await self._request(b.delete_pool(name, force))
+
     async def pool_stats(self, pool: str) -> s.PoolStats:
         return await self._request(b.pool_stats(pool))
 
@@ -534,6 +549,11 @@ class AsyncClient(BaseClient):
         overrides: s.RunOverrides | Mapping[str, Any] | None = None,
     ) -> s.RunPublic:
         return await self._request(b.update_run(pool, run, phase, overrides))
+
+    async def delete_run(self, pool: str, run: str, *, force: bool = False) -> None:
+        """Delete a run with its states, own trajectories, batches and metrics (admin). `Conflict`
+        while a writer holds its lease, unless `force`."""
+        await self._request(b.delete_run(pool, run, force))
 
     async def run_stats(self, pool: str, run: str) -> s.RunStats:
         return await self._request(b.run_stats(pool, run))

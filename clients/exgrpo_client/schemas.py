@@ -237,6 +237,21 @@ class PoolConfig(Incoming):
     active_refresh_margin: int = Field(
         20, ge=0, le=2**31 - 1, description="Epoch refresh needs > B + margin."
     )
+    max_trajectories_per_question: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Keep at most this many stored trajectories per question (in each trajectory "
+        "scope); a write beyond it evicts the question's oldest. None: no limit (the spec's).",
+    )
+    max_payload_bytes: int | None = Field(
+        None,
+        ge=1024,
+        le=2**62,
+        description="Keep at most this many bytes of stored token ids and log-probs (8 per token) "
+        "in the pool; a write beyond it evicts the pool's oldest trajectories, and a write that "
+        "alone sends more is refused. None: no limit.",
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> PoolConfig:
@@ -270,6 +285,8 @@ class PoolConfigPatch(Incoming):
     start_threshold: FiniteFloat | None = Field(None, ge=0, le=1)
     sharing: Sharing | None = None
     active_refresh_margin: int | None = Field(None, ge=0, le=2**31 - 1)
+    max_trajectories_per_question: int | None = Field(None, ge=1, le=1_000_000)
+    max_payload_bytes: int | None = Field(None, ge=1024, le=2**62)
 
     def merged(self, current: PoolConfig) -> PoolConfig:
         """`current` with the keys this patch gives (`ValidationError` if the result breaks a rule)."""
@@ -570,8 +587,9 @@ class CommitResult(Strict):
     bucket_moves: int
     removed_trajectories: int = Field(
         0,
-        description="Stored trajectories removed because their question retired in this request "
-        "(in the scope that owns them; never with sharing shared_trajectories).",
+        description="Stored trajectories this request removed: those of questions it retired (in "
+        "the scope that owns them; never with sharing shared_trajectories), and those the pool's "
+        "capacity limits evicted.",
     )
     stats: RunStats | None = Field(
         None,

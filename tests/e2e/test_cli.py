@@ -22,7 +22,7 @@ from shared_data import VALID, needs
 from typer.testing import CliRunner
 
 from exgrpo_cli.main import app
-from exgrpo_client import GroupResult, rollout
+from exgrpo_client import Client, GroupResult, rollout
 from exgrpo_client.io import read_questions
 
 needs_valid = needs(VALID)
@@ -94,6 +94,39 @@ def test_pool_create_list_show_stats(cli: Any, pool_name: str) -> None:
         "num_runs": 0,
         "runs": [],
     }
+
+
+def test_pool_and_run_delete(cli: Any, live_server: Any, pool_name: str) -> None:
+    created = _json(
+        cli(
+            "pool",
+            "create",
+            pool_name,
+            "--k",
+            "2",
+            "--sharing",
+            "shared_trajectories",
+            "--max-trajectories-per-question",
+            "3",
+        )
+    )
+    assert created["config"]["sharing"] == "shared_trajectories"
+    assert created["config"]["max_trajectories_per_question"] == 3
+    with Client(live_server.url) as client:
+        client.create_run(pool_name, "r1")
+        client.create_run(pool_name, "r2")
+        lease = client.acquire_run_lease(pool_name, "r1", "trainer-x")
+    assert [r["name"] for r in _json(cli("runs", "list", pool_name))["data"]] == ["r1", "r2"]
+    _fails(cli("runs", "delete", pool_name, "r1", "--yes"), "trainer-x")
+    deleted = _json(cli("runs", "delete", pool_name, "r1", "--yes", "--force"))
+    assert deleted == {"deleted": "run", "pool": pool_name, "run": "r1"}
+    assert lease.generation == 1
+    assert [r["name"] for r in _json(cli("runs", "list", pool_name))["data"]] == ["r2"]
+    # without --yes it asks, and no answer keeps the pool
+    kept = cli("pool", "delete", pool_name)
+    assert kept.exit_code == 1 and _json(cli("pool", "show", pool_name))["name"] == pool_name
+    assert _json(cli("pool", "delete", pool_name, "-y")) == {"deleted": "pool", "pool": pool_name}
+    _fails(cli("pool", "show", pool_name), "does not exist")
 
 
 def test_pool_create_from_a_config_file(cli: Any, pool_name: str, tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ async def test_errors_match_the_declared_problem_schema(client: httpx.AsyncClien
         await client.get("/v1/pools/nope"),
         await client.post("/v1/pools", json={"name": "bad name"}),
         await client.post("/v1/pools", json={"name": "p1"}),
-        await client.delete("/v1/pools/p1"),
+        await client.put("/v1/pools/p1"),
     ):
         assert r.status_code >= 400 and r.headers["content-type"] == PROBLEM
         Problem.model_validate(r.json())
@@ -93,10 +93,10 @@ async def test_errors_match_the_declared_problem_schema(client: httpx.AsyncClien
 async def test_405_names_the_allowed_methods(client: httpx.AsyncClient) -> None:
     await setup_pool(client)
     cases = {
-        ("DELETE", "/v1/pools/p1"): {"GET", "PATCH"},
+        ("PUT", "/v1/pools/p1"): {"GET", "PATCH", "DELETE"},
         ("PUT", "/v1/pools"): {"GET", "POST"},
         ("GET", "/v1/pools/p1/batches/x/commit"): {"POST"},
-        ("DELETE", "/v1/pools/p1/runs/r1"): {"GET", "PATCH"},
+        ("POST", "/v1/pools/p1/runs/r1"): {"GET", "PATCH", "DELETE"},
     }
     for (method, url), allowed in cases.items():
         r = await client.request(method, url)

@@ -1,5 +1,6 @@
 """Run leases through the SDK: acquire, use (every write of the run carries the header), take-over
-fencing, release; `AsyncClient` and `Client` against a live server."""
+fencing, release, and deletes that honour a live lease; `AsyncClient` and `Client` against a live
+server."""
 
 from __future__ import annotations
 
@@ -84,3 +85,19 @@ def test_sync_client_leases(live_server: Any, pool_name: str) -> None:
         assert a.commit_batch(pool_name, plan.id, _groups(plan)).step == 1
         a.release_run_lease(pool_name, "r", "a")
         assert b.plan_batch(pool_name, "r").step == 2
+
+
+async def test_async_deletes_honour_leases(live_server: Any, pool_name: str) -> None:
+    async with AsyncClient(live_server.url, retries=0) as client:
+        await client.create_pool(pool_name, {"k": K, "batch_size": 4})
+        await client.create_run(pool_name, "r")
+        await client.create_run(pool_name, "other")
+        await client.acquire_run_lease(pool_name, "r", "t")
+        with pytest.raises(Conflict, match="force=true"):
+            await client.delete_run(pool_name, "r")
+        with pytest.raises(Conflict, match="'t'"):
+            await client.delete_pool(pool_name)
+        await client.delete_run(pool_name, "r", force=True)
+        assert [r.name for r in (await client.list_runs(pool_name)).data] == ["other"]
+        await client.delete_pool(pool_name)
+        assert pool_name not in {p.name for p in (await client.list_pools()).data}

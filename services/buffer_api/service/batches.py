@@ -39,7 +39,7 @@ from exgrpo_pool.service.convert import (
     stored_plan,
     trajectory_public,
 )
-from exgrpo_pool.service.experience import Applied, apply_groups
+from exgrpo_pool.service.experience import Applied, apply_groups, capacity_of
 from exgrpo_pool.service.leases import LeaseClaim, check_fence, run_for_write
 from exgrpo_pool.service.leases import require_run as _get_run
 from exgrpo_pool.service.stats import collect_run_stats
@@ -97,6 +97,12 @@ async def _follow(ctx: Context, scope: int, moves: list[Move]) -> None:
         await ctx.index.drop(scope)
     except Exception:
         log.warning("index of scope %s could not be marked stale", scope, exc_info=True)
+
+
+async def _apply_all_moves(ctx: Context, scope: int, applied: Applied) -> None:
+    await _apply_moves(ctx, scope, applied)
+    for other, moves in applied.other_moves.items():
+        await _apply_moves(ctx, other, Applied(moves=moves))
 
 
 # ----------------------------------------------------------------------------- fresh questions
@@ -455,6 +461,7 @@ async def commit_batch(
             groups=req.groups,
             collect=batch.phase == "mixed",
             experience=run_overrides(run).experience,
+            capacity=capacity_of(pool),
             step=batch.step,
             policy_version=version,
         )
@@ -487,7 +494,7 @@ async def commit_batch(
             result.stats = await collect_run_stats(ctx, session, pool, run, last=batch)
         # a replayed commit answers exactly this, stats included
         batch.result = {**result.model_dump(), COMMIT_DIGEST: commit_digest(req)}
-    await _apply_moves(ctx, scopes.state, applied)
+    await _apply_all_moves(ctx, scopes.state, applied)
     ctx.metrics.batches_committed.labels(pool.name).inc()
     ctx.metrics.run_solved.labels(pool.name, run.name).set(solved)
     _count(ctx, pool, applied)
@@ -547,12 +554,13 @@ async def ingest(
             groups=req.groups,
             collect=run.phase == "mixed" or req.prefill,
             experience=experience,
+            capacity=capacity_of(pool),
             step=run.step if req.step is None else req.step,
             policy_version=req.policy_version,
         )
         solved = solved_fraction(r.reward for g in req.groups for r in g.rollouts)
         result = _result(None, run, solved, False, applied)
-    await _apply_moves(ctx, scopes.state, applied)
+    await _apply_all_moves(ctx, scopes.state, applied)
     _count(ctx, pool, applied)
     return result
 

@@ -11,9 +11,9 @@ from exgrpo_client import schemas as s
 from exgrpo_pool.domain import ExperienceRules, GroupAction, GroupDecision, decide_group, trajectory_key
 from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.index.base import Move
-from exgrpo_pool.service.convert import RunScopes, decode_payload
+from exgrpo_pool.service.convert import RunScopes, decode_payload, pool_config
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import is_pool_scope, utcnow
+from exgrpo_pool.store.models import Pool, is_pool_scope, utcnow
 
 
 @dataclass
@@ -26,6 +26,21 @@ class Applied:
     bucket_moves: int = 0
     removed: int = 0
     moves: list[Move] = field(default_factory=list)
+    #: moves of other state scopes (a capacity eviction of shared trajectories)
+    other_moves: dict[int, list[Move]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """A pool's limits on its stored trajectories (None: no limit)."""
+
+    per_question: int | None = None
+    payload_bytes: int | None = None
+
+
+def capacity_of(pool: Pool) -> Capacity:
+    config = pool_config(pool)
+    return Capacity(config.max_trajectories_per_question, config.max_payload_bytes)
 
 
 @dataclass
@@ -65,6 +80,7 @@ async def apply_groups(
     step: int,
     policy_version: int,
     experience: bool = True,
+    capacity: Capacity = Capacity(),
 ) -> Applied:
     """Retire, bucket and store in the caller's transaction. Validates everything before the first
     write, so a bad request changes nothing (and the transaction rolls back on any error anyway).
@@ -134,6 +150,13 @@ async def apply_groups(
         # serialised by its run's row lock): one writer at a time, or two requests touching the
         # same questions in different orders deadlock on Postgres.
         await repo.lock_pool(session, pool_id)
+    sent = 8 * sum(int(r["num_tokens"]) for r in traj_rows)
+    if capacity.payload_bytes is not None and sent > capacity.payload_bytes:
+        raise BadRequest(
+            f"this request would store {sent} bytes of token ids and log-probs, more than the pool's "
+            f"max_payload_bytes ({capacity.payload_bytes}): send fewer groups per request, or raise "
+            "the limit (PATCH the pool's config)"
+        )
     if not experience and is_pool_scope(scope):
         finals.clear()
     old = await repo.get_states(session, scope, list(finals))
@@ -171,4 +194,45 @@ async def apply_groups(
     if scopes.drops_retired and by_kind["retire"]:
         retired = [r["question_id"] for r in by_kind["retire"]]
         out.removed = await repo.delete_trajectories(session, scopes.trajectories, retired)
+    await _enforce_capacity(session, pool_id, scopes, capacity, [r["question_id"] for r in traj_rows], out)
     return out
+
+
+async def _enforce_capacity(
+    session: AsyncSession,
+    pool_id: int,
+    scopes: RunScopes,
+    capacity: Capacity,
+    touched: list[int],
+    out: Applied,
+) -> None:
+    """Evict what the pool's limits do not hold: beyond `per_question`, a question's oldest
+    trajectories of the scope written; beyond `payload_bytes`, the pool's oldest (never this
+    request's own: it was refused above if it alone is over). A question left without any
+    trajectory in a scope leaves the buckets of the states that replay from that scope."""
+    if capacity.per_question is not None and touched:
+        out.removed += await repo.trim_trajectories(
+            session, scopes.trajectories, touched, capacity.per_question
+        )
+    if capacity.payload_bytes is None:
+        return
+    over = 8 * await repo.pool_tokens(session, pool_id) - capacity.payload_bytes
+    if over <= 0:
+        return
+    evicted = await repo.evict_oldest(session, pool_id, over)
+    out.removed += len(evicted)
+    by_scope: dict[int, set[int]] = {}
+    for tscope, qid in evicted:
+        by_scope.setdefault(tscope, set()).add(qid)
+    for tscope, qids in by_scope.items():
+        empty = qids - await repo.questions_with_trajectories(session, tscope, list(qids))
+        if not empty:
+            continue
+        # a run's own trajectories feed its own states; the pool's feed every state of the pool
+        reading = None if is_pool_scope(tscope) else tscope
+        for sscope, qid in await repo.clear_buckets(session, pool_id, sorted(empty), reading):
+            if sscope == scopes.state:
+                out.moves.append((qid, None))
+                out.bucket_moves += 1
+            else:
+                out.other_moves.setdefault(sscope, []).append((qid, None))

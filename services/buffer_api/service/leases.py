@@ -104,6 +104,17 @@ async def check_fence(session: AsyncSession, run: Run, claim: LeaseClaim | None)
     )
 
 
+async def refuse_if_held(session: AsyncSession, run: Run, what: str) -> None:
+    """Refuse to `what` while someone holds a live lease of the run (the caller may force it)."""
+    lease = await repo.get_lease(session, run.id)
+    now = utcnow()
+    if lease is not None and _live(lease, now):
+        raise Conflict(
+            f"{_held_by(run, lease, now)}: {what} once the lease is released or expired, or now "
+            "with force=true (the holder's next write then fails)"
+        )
+
+
 async def run_for_write(session: AsyncSession, pool: Pool, name: str, claim: LeaseClaim | None) -> Run:
     """The run, row-locked for the caller's transaction, once its lease allows this write."""
     run = await require_run(session, pool, name, lock=True)

@@ -22,10 +22,10 @@ from exgrpo_pool.service.convert import (
     scope_of,
     trajectory_public,
 )
-from exgrpo_pool.service.leases import LeaseClaim, run_for_write
+from exgrpo_pool.service.leases import LeaseClaim, refuse_if_held, require_run, run_for_write
 from exgrpo_pool.service.stats import collect_run_stats
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import PolicyVersion, Pool, Run, is_pool_scope, utcnow
+from exgrpo_pool.store.models import PolicyVersion, Pool, Run, is_pool_scope, pool_scope, utcnow
 
 
 async def load_pool(ctx: Context, name: str) -> Pool:
@@ -81,6 +81,28 @@ async def update_pool(ctx: Context, name: str, req: s.PoolUpdate) -> s.PoolPubli
         pool.updated_at = utcnow()
         counts = await repo.pool_counts(session, pool.id)
     return pool_public(pool, counts)
+
+
+async def delete_pool(ctx: Context, name: str, *, force: bool) -> None:
+    """Delete a pool and everything in it (questions, runs, states, trajectories, batches)."""
+    async with ctx.db.write() as session:
+        pool = await repo.get_pool(session, name)
+        if pool is None:
+            raise NotFound(f"pool {name!r} does not exist")
+        await repo.lock_pool(session, pool.id)
+        runs = await repo.list_runs(session, pool.id)
+        if not force:
+            for run in runs:
+                await refuse_if_held(session, run, f"delete pool {name!r}")
+        await repo.delete_pool(session, pool.id)
+    await _forget_scopes(ctx, [pool_scope(pool.id), *(r.id for r in runs)])
+
+
+async def _forget_scopes(ctx: Context, scopes: list[int]) -> None:
+    """Drop deleted scopes from the sampling index and the epoch cache (ids can be reused)."""
+    for scope in scopes:
+        await ctx.index.drop(scope)
+    ctx.epoch_cache = {k: v for k, v in ctx.epoch_cache.items() if k[0] not in scopes}
 
 
 async def list_pools(ctx: Context, visible: Callable[[str], bool] = lambda _: True) -> s.PoolsPublic:
@@ -194,6 +216,18 @@ async def list_runs(ctx: Context, pool: Pool) -> s.RunsPublic:
 async def show_run(ctx: Context, pool: Pool, name: str) -> s.RunPublic:
     async with ctx.db.read() as session:
         return run_public(await _get_run(session, pool, name), pool.name)
+
+
+async def delete_run(ctx: Context, pool: Pool, name: str, *, force: bool) -> None:
+    """Delete a run: its states, its own trajectories (sharing per_run), batches, tasks, policy
+    versions, metrics and lease. Trajectories it stored in the pool's shared scope stay (the pool's
+    experience), without a source run."""
+    async with ctx.db.write() as session:
+        run = await require_run(session, pool, name, lock=True)
+        if not force:
+            await refuse_if_held(session, run, f"delete run {name!r}")
+        await repo.delete_run(session, run.id)
+    await _forget_scopes(ctx, [run.id])
 
 
 async def update_run(

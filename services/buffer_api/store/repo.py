@@ -320,6 +320,102 @@ async def delete_trajectories(session: AsyncSession, scope: int, qids: Sequence[
     return removed
 
 
+async def trim_trajectories(session: AsyncSession, scope: int, qids: Sequence[int], keep: int) -> int:
+    """Keep the newest `keep` trajectories of each question in one scope; remove the rest."""
+    removed = 0
+    for chunk in _chunks(sorted(set(qids))):
+        rank = (
+            func.row_number()
+            .over(partition_by=Trajectory.question_id, order_by=Trajectory.id.desc())
+            .label("rank")
+        )
+        ranked = (
+            select(Trajectory.id, rank)
+            .where(Trajectory.scope == scope, Trajectory.question_id.in_(chunk))
+            .subquery()
+        )
+        victims = select(ranked.c.id).where(ranked.c.rank > keep)
+        stmt = delete(Trajectory).where(Trajectory.id.in_(victims)).returning(Trajectory.id)
+        removed += len((await session.execute(stmt)).all())
+    return removed
+
+
+async def evict_oldest(session: AsyncSession, pool_id: int, num_bytes: int) -> list[tuple[int, int]]:
+    """Remove the pool's oldest trajectories (lowest ids) until `num_bytes` of payload (8 bytes per
+    token) are freed. Returns the (scope, question id) of each removed one."""
+    victims: list[int] = []
+    where: list[tuple[int, int]] = []
+    freed, after = 0, 0
+    while freed < num_bytes:
+        stmt = (
+            select(Trajectory.id, Trajectory.num_tokens, Trajectory.scope, Trajectory.question_id)
+            .where(Trajectory.pool_id == pool_id, Trajectory.id > after)
+            .order_by(Trajectory.id)
+            .limit(500)
+        )
+        rows = (await session.execute(stmt)).all()
+        if not rows:
+            break
+        for tid, ntok, scope, qid in rows:
+            victims.append(int(tid))
+            where.append((int(scope), int(qid)))
+            freed += 8 * int(ntok)
+            if freed >= num_bytes:
+                break
+        after = int(rows[-1][0])
+    for chunk in _chunks(victims):
+        await session.execute(delete(Trajectory).where(Trajectory.id.in_(chunk)))
+    return where
+
+
+async def questions_with_trajectories(session: AsyncSession, scope: int, qids: Sequence[int]) -> set[int]:
+    out: set[int] = set()
+    for chunk in _chunks(sorted(set(qids))):
+        stmt = (
+            select(Trajectory.question_id)
+            .where(Trajectory.scope == scope, Trajectory.question_id.in_(chunk))
+            .distinct()
+        )
+        out.update(int(q) for (q,) in (await session.execute(stmt)).all())
+    return out
+
+
+async def clear_buckets(
+    session: AsyncSession, pool_id: int, qids: Sequence[int], scope: int | None
+) -> list[tuple[int, int]]:
+    """Take questions out of their buckets (in one state scope, or in every scope of the pool when
+    `scope` is None). Returns the (scope, question id) of each state that left a bucket."""
+    out: list[tuple[int, int]] = []
+    for chunk in _chunks(sorted(set(qids))):
+        stmt = (
+            update(RunQuestion)
+            .where(
+                RunQuestion.pool_id == pool_id,
+                RunQuestion.question_id.in_(chunk),
+                RunQuestion.bucket.is_not(None),
+            )
+            .values(bucket=None, updated_at=utcnow())
+            .returning(RunQuestion.scope, RunQuestion.question_id)
+        )
+        if scope is not None:
+            stmt = stmt.where(RunQuestion.scope == scope)
+        out += [(int(s), int(q)) for s, q in (await session.execute(stmt)).all()]
+    return out
+
+
+async def delete_run(session: AsyncSession, run_id: int) -> None:
+    """A run and everything it owns: its states and own trajectories (sharing per_run), batches,
+    tasks, policy versions, metrics, epoch orders and lease (the last ones by cascade)."""
+    await session.execute(delete(RunQuestion).where(RunQuestion.scope == run_id))
+    await session.execute(delete(Trajectory).where(Trajectory.scope == run_id))
+    await session.execute(delete(Run).where(Run.id == run_id))
+
+
+async def delete_pool(session: AsyncSession, pool_id: int) -> None:
+    """A pool and everything in it (questions, runs, states, trajectories: by cascade)."""
+    await session.execute(delete(Pool).where(Pool.id == pool_id))
+
+
 async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, limit: int) -> list[Trajectory]:
     stmt = (
         select(Trajectory)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from exgrpo_client import schemas as s
@@ -60,6 +60,18 @@ async def show_pool(pool: ReadPool, ctx: ContextDep) -> s.PoolPublic:
 @router.patch("/{pool}", response_model=s.PoolPublic)
 async def update_pool(body: s.PoolUpdate, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep) -> object:
     return await idem.run(lambda: svc.update_pool(ctx, pool.name, body))
+
+
+@router.delete("/{pool}", status_code=204, response_class=Response)
+async def delete_pool(
+    pool: WritePool,
+    ctx: ContextDep,
+    _: Admin,
+    force: Annotated[bool, Query(description="Delete even while writers hold leases of its runs.")] = False,
+) -> Response:
+    """Delete a pool and everything in it: questions, runs, states, trajectories (admin)."""
+    await svc.delete_pool(ctx, pool.name, force=force)
+    return Response(status_code=204)
 
 
 @router.get("/{pool}/stats", response_model=s.PoolStats)

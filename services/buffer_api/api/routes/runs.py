@@ -7,7 +7,15 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.api.deps import ContextDep, IdempotencyDep, ReadPool, RunLeaseDep, RunName, WritePool
+from exgrpo_pool.api.deps import (
+    Admin,
+    ContextDep,
+    IdempotencyDep,
+    ReadPool,
+    RunLeaseDep,
+    RunName,
+    WritePool,
+)
 from exgrpo_pool.service import batches, leases, tasks
 from exgrpo_pool.service import pools as svc
 
@@ -39,6 +47,19 @@ async def update_run(
     lease: RunLeaseDep,
 ) -> object:
     return await idem.run(lambda: svc.update_run(ctx, pool, run, body, lease))
+
+
+@router.delete("/{run}", status_code=204, response_class=Response)
+async def delete_run(
+    run: RunName,
+    pool: WritePool,
+    ctx: ContextDep,
+    _: Admin,
+    force: Annotated[bool, Query(description="Delete even while a writer holds the run's lease.")] = False,
+) -> Response:
+    """Delete a run with its states, own trajectories, batches, tasks and metrics (admin)."""
+    await svc.delete_run(ctx, pool, run, force=force)
+    return Response(status_code=204)
 
 
 @router.put("/{run}/lease", response_model=s.RunLease)
