@@ -134,3 +134,24 @@ async def test_what_each_mode_shares_between_the_runs_of_a_pool(client: httpx.As
             f"/v1/pools/p1/batches/{plan['id']}/commit", json=make_groups(plan, lambda q, row: 0.0)
         )
     )
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_export_and_import_keep_each_modes_scopes(client: httpx.AsyncClient, mode: str) -> None:
+    await setup_pool(client, runs=("r1", "r2"), phase="mixed", sharing=mode)
+    q = (await _qids(client, "p1"))[0]
+    await _ingest(client, "p1", "r1", [group(q, [1, 1, 0, 0], _tokens(1))])
+    await _ingest(client, "p1", "r2", [group(q, [1, 0, 0, 0], _tokens(2))])
+    export = await client.get("/v1/pools/p1/export")
+    imported = ok(await client.post("/v1/pools/import", params={"name": "copy"}, content=export.content), 201)
+    assert imported["trajectories"] == 3
+    for pool in ("p1", "copy"):  # the copy has new question ids: one question either way
+        (item,) = (await _select(client, pool, "r2")).values()
+        sources = sorted(c["source_run"] for c in item["candidates"])
+        assert sources == (["r2"] if mode == "per_run" else ["r1", "r1", "r2"]), (pool, sources)
+    # a shared trajectory that names a run scope in a pool without per-run trajectories is refused
+    if mode != "per_run":
+        lines = export.content.decode().splitlines()
+        bad = [line.replace('"scope":0', '"scope":1') if '"trajectory"' in line else line for line in lines]
+        r = await client.post("/v1/pools/import", params={"name": "bad"}, content="\n".join(bad).encode())
+        assert r.status_code == 422 and "scope" in r.json()["detail"]

@@ -198,10 +198,16 @@ class _Importer:
         return pool_scope(self.pool.id) if exported == SHARED_SCOPE else self._run_id(exported)
 
     def _trajectory_scope(self, t: s.ExportTrajectory, source_run: int | None) -> int:
+        sharing = pool_config(self.pool).sharing
         if t.scope is not None:
+            if t.scope != SHARED_SCOPE and sharing != "per_run":
+                raise BadRequest(
+                    f"trajectory: scope {t.scope} in a {sharing} pool; its trajectories are the "
+                    "pool's (scope 0)"
+                )
             return self._scope(t.scope)
         # an export of before trajectory scopes: a per_run pool's trajectories go to their run
-        if pool_config(self.pool).sharing == "per_run" and source_run is not None:
+        if sharing == "per_run" and source_run is not None:
             return source_run
         return pool_scope(self.pool.id)
 
