@@ -33,7 +33,8 @@
 #   --no-install        fail instead of installing missing tools
 #   --timeout S         the longest wait for the training to finish (default 1800)
 # Environment: EXGRPO_CHECK_PORT_BASE (default 18000): the stack's ports are BASE+432 (Postgres),
-# BASE+379 (Redis), BASE+700 (pool), BASE+1090 (Prometheus), BASE+1300/1400 (worker/trainer metrics).
+# BASE+379 (Redis), BASE+700 (pool), BASE+1090 (Prometheus), BASE+1300/1400 (worker/trainer metrics),
+# BASE+1500 (this machine's local package folders, served to the image builds).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -92,9 +93,12 @@ die() {
   exit 1
 }
 
-compose() {
+compose_sources() {  # docker-compose.yml with the host-network override, as given
   "${COMPOSE[@]}" --project-name "$PROJECT" --env-file "$STATE/check.env" \
     -f docker-compose.yml -f deploy/local/compose.hostnet.yml "$@"
+}
+compose() {  # the resolved file (section 4): what the check builds, starts and tears down
+  "${COMPOSE[@]}" --project-name "$PROJECT" --project-directory "$ROOT" -f "$STATE/compose.yml" "$@"
 }
 
 finish() {
@@ -106,7 +110,7 @@ finish() {
   fi
   if [ "$STACK_UP" = 1 ]; then
     if [ "$KEEP" = 1 ]; then
-      log "stack left running; tear down with: ${COMPOSE[*]} --project-name $PROJECT --env-file $STATE/check.env -f docker-compose.yml -f deploy/local/compose.hostnet.yml down -v"
+      log "stack left running; tear down with: ${COMPOSE[*]} --project-name $PROJECT -f $STATE/compose.yml down -v"
     else
       log "docker-compose down -v"
       compose down -v --remove-orphans >/dev/null 2>&1 || log "docker-compose down failed"
@@ -195,7 +199,13 @@ fact "local base images built"
 # This machine's pip configuration, made usable inside the builds: local folders (file:// or
 # paths) are served read-only on 127.0.0.1, extra trusted certificates travel as PIP_CA_CERTS.
 mkdir -p "$STATE/index"
-INDEX_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+# a fixed port: the build arguments hold it, and a changed argument would rebuild the torch layers
+INDEX_PORT=$((BASE_PORT + 1500))
+for port in $PG_PORT $REDIS_PORT $POOL_PORT $PROM_PORT $WORKER_PORT $TRAINER_PORT $INDEX_PORT; do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    die "port $port on 127.0.0.1 is taken: set EXGRPO_CHECK_PORT_BASE"
+  fi
+done
 translate() {  # a pip location -> one usable from a build on the host network
   local loc="$1" path=""
   case "$loc" in
@@ -319,20 +329,32 @@ scrape_configs:
 EOF
 chmod 644 "$PROM_DIR"/*.yml
 
-compose --profile "$PROFILE" config -q || die "docker-compose config rejects the $PROFILE profile"
+# The compose file as the check runs it: the sources resolved with this environment (the build
+# arguments too), less the published ports, which a host network has no use for and which
+# docker-compose 1.x refuses beside network_mode: host (an override file cannot remove them).
+compose_sources --profile "$PROFILE" config -q || die "docker-compose config rejects the $PROFILE profile"
+PYYAML=python3
+python3 -c 'import yaml' 2>/dev/null || PYYAML="$(head -1 "$(command -v docker-compose)" | sed 's/^#! *//')"
+resolve_compose() {
+  touch "$STATE/compose.yml" && chmod 600 "$STATE/compose.yml"  # it holds the generated secrets
+  env "${BUILD_ENV[@]}" "${COMPOSE[@]}" --project-name "$PROJECT" --env-file "$STATE/check.env" \
+    -f docker-compose.yml -f deploy/local/compose.hostnet.yml --profile cpu --profile gpu config \
+    | $PYYAML -c '
+import sys, yaml
+cfg = yaml.safe_load(sys.stdin)
+for svc in cfg["services"].values():
+    svc.pop("ports", None)
+yaml.safe_dump(cfg, sys.stdout, sort_keys=False)' >"$STATE/compose.yml" || die "cannot resolve the compose files"
+  compose --profile "$PROFILE" config -q || die "the resolved compose file does not validate"
+}
+resolve_compose
 fact "compose config valid"
-for port in $PG_PORT $REDIS_PORT $POOL_PORT $PROM_PORT $WORKER_PORT $TRAINER_PORT; do
-  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-    die "port $port on 127.0.0.1 is taken: set EXGRPO_CHECK_PORT_BASE"
-  fi
-done
 
 # ------------------------------------------------------------------------------ 5. project images
 build_service() {  # build_service NAME...
   log "building ${*} (deploy/*.Dockerfile; the torch layers are reused between runs)"
-  env "${BUILD_ENV[@]}" "${COMPOSE[@]}" --project-name "$PROJECT" --env-file "$STATE/check.env" \
-    -f docker-compose.yml -f deploy/local/compose.hostnet.yml --profile "$PROFILE" build "$@" \
-    >"$STATE/build.log" 2>&1 || { tail -40 "$STATE/build.log" >&2; die "building $* failed"; }
+  compose --profile "$PROFILE" build "$@" >"$STATE/build.log" 2>&1 \
+    || { tail -40 "$STATE/build.log" >&2; die "building $* failed"; }
 }
 image_mb() { docker image inspect -f '{{.Size}}' "$1" | awk '{printf "%d", $1 / 1048576}'; }
 
@@ -356,6 +378,14 @@ for name, svc in yaml.safe_load(sys.stdin)["services"].items():
       [ "$id" -lt "$gpus" ] || die "$name reserves GPU $id, which a host with $gpus GPU(s) lacks"
     done <<<"$reserved"
     fact "gpu profile: every reserved GPU exists on a $gpus-GPU host ($(echo $reserved))"
+    # a torch +cpu wheel among the find-links would satisfy torch==2.13.0: the GPU image needs
+    # PyPI's CUDA build, so the find-links stay out of this build
+    local kept=()
+    for entry in "${BUILD_ENV[@]}"; do
+      case "$entry" in PIP_FIND_LINKS=*) log "gpu build without $entry" ;; *) kept+=("$entry") ;; esac
+    done
+    BUILD_ENV=("${kept[@]}")
+    resolve_compose
     build_service trainer-gpu
     local cudart
     cudart="$(docker run --rm --network none --entrypoint sh "exgrpo/trainer:0.1.0-gpu" -c \

@@ -11,21 +11,25 @@ ARG DEBIAN_IMAGE=exgrpo-local/debian:bookworm
 
 FROM ${DEBIAN_IMAGE} AS debian
 ENV DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8
+# slim, as the official -slim images: no recommends, no documentation or translations, no apt caches
 RUN printf '%s\n' 'APT::Install-Recommends "false";' 'APT::Install-Suggests "false";' \
       > /etc/apt/apt.conf.d/90-no-recommends \
- && printf '%s\n' 'DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb || true"; };' \
-      > /etc/apt/apt.conf.d/90-clean
+ && printf '%s\n' 'DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/*.bin || true"; };' \
+      > /etc/apt/apt.conf.d/90-clean \
+ && printf '%s\n' 'path-exclude /usr/share/doc/*' 'path-include /usr/share/doc/*/copyright' \
+      'path-exclude /usr/share/man/*' 'path-exclude /usr/share/info/*' 'path-exclude /usr/share/locale/*' \
+      > /etc/dpkg/dpkg.cfg.d/90-slim
 
 FROM debian AS python
 RUN apt-get update \
  && apt-get install -y python3 python3-venv python-is-python3 ca-certificates \
- && rm -rf /var/lib/apt/lists/*
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 CMD ["python3"]
 
 FROM debian AS postgres
 RUN apt-get update \
  && apt-get install -y postgresql-15 \
- && rm -rf /var/lib/apt/lists/* \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
  && mkdir -p /var/lib/postgresql/data /var/run/postgresql \
  && chown -R postgres:postgres /var/lib/postgresql /var/run/postgresql \
  && chmod 700 /var/lib/postgresql/data
@@ -38,7 +42,7 @@ CMD ["postgres"]
 FROM debian AS redis
 RUN apt-get update \
  && apt-get install -y redis-server \
- && rm -rf /var/lib/apt/lists/*
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 USER redis
 WORKDIR /var/lib/redis
 CMD ["redis-server", "--save", "", "--appendonly", "no"]
@@ -46,7 +50,7 @@ CMD ["redis-server", "--save", "", "--appendonly", "no"]
 FROM debian AS prometheus
 RUN apt-get update \
  && apt-get install -y prometheus wget \
- && rm -rf /var/lib/apt/lists/* /usr/share/doc \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
  && mkdir -p /prometheus && chown nobody:nogroup /prometheus
 USER nobody
 WORKDIR /prometheus

@@ -30,6 +30,7 @@ import exgrpo_trainer
 from exgrpo_client import Client
 from exgrpo_client.io import read_questions
 from exgrpo_onebox.config import MainJobOptions, OneBoxConfig, ResolvedJob, resolve, warm_start_path
+from exgrpo_onebox.prepare import prepare_pool
 from exgrpo_onebox.report import write_report
 from exgrpo_onebox.synthetic import make_splits, write_parquet
 from exgrpo_pool.config import Settings
@@ -62,16 +63,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def prepare_pool(client: Client, cfg: OneBoxConfig, questions: list[QuestionCreate], source: str) -> None:
-    """The run's pool (rules `cfg.pool`, the questions) and the run (seed and rules from the trainer
-    config), unless they are there already."""
-    if not any(p.name == cfg.run.pool for p in client.list_pools().data):
-        client.create_pool(cfg.run.pool, config=cfg.pool, description=f"one-box run on {source}")
-        client.import_questions(cfg.run.pool, questions)
-    if not any(r.name == cfg.run.name for r in client.list_runs(cfg.run.pool).data):
-        client.create_run(cfg.run.pool, cfg.run.name, seed=cfg.run.seed, overrides=cfg.run_overrides())
 
 
 def run_main_job(opts: MainJobOptions) -> Path:

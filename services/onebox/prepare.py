@@ -8,25 +8,39 @@ holds it), creates the pool with the recipe's rules and its synthetic training q
 run with the recipe's batch rules (experience.ratio, start_threshold, batch_size). Both are left as
 they are when they exist already, so the job can run on every `docker compose up`. A pool of that
 name that holds other questions (`exgrpo serve --demo` makes one) is refused rather than trained
-on with the wrong grader.
+on with the wrong grader. It needs the train and rollout extras, not the server extra (the trainer
+image has no pool service in it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from exgrpo_client import Client
 from exgrpo_client.io import question_from_row
-from exgrpo_onebox.config import MainJobOptions, resolve
-from exgrpo_onebox.main_job import prepare_pool
+from exgrpo_onebox.config import MainJobOptions, OneBoxConfig, resolve
 from exgrpo_onebox.synthetic import make_problems
 
-__all__ = ["PREPARED_BY", "Prepared", "prepare_service"]
+if TYPE_CHECKING:
+    from exgrpo_client import QuestionCreate
+
+__all__ = ["PREPARED_BY", "Prepared", "prepare_pool", "prepare_service"]
 
 SOURCE = "synthetic arithmetic"
 PREPARED_BY = f"one-box run on {SOURCE}"
 """The description `prepare_pool` gives the pools it creates from the synthetic questions."""
+
+
+def prepare_pool(client: Client, cfg: OneBoxConfig, questions: list[QuestionCreate], source: str) -> None:
+    """The run's pool (rules `cfg.pool`, the questions) and the run (seed and rules from the trainer
+    config), unless they are there already."""
+    if not any(p.name == cfg.run.pool for p in client.list_pools().data):
+        client.create_pool(cfg.run.pool, config=cfg.pool, description=f"one-box run on {source}")
+        client.import_questions(cfg.run.pool, questions)
+    if not any(r.name == cfg.run.name for r in client.list_runs(cfg.run.pool).data):
+        client.create_run(cfg.run.pool, cfg.run.name, seed=cfg.run.seed, overrides=cfg.run_overrides())
 
 
 @dataclass(frozen=True)

@@ -184,3 +184,16 @@ def test_strategic_merge_merges_named_items_and_replaces_the_rest() -> None:
     (container,) = merged["spec"]["c"]
     assert container["env"] == [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}]
     assert container["args"] == ["r"]
+
+
+def test_compose_check_script_parses_and_refuses_a_gpu_run_here() -> None:
+    script = dc.ROOT / "scripts" / "compose_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    r = subprocess.run(
+        ["bash", str(script), "--profile", "gpu"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert r.returncode == 2 and "--dry-run" in r.stderr
+    r = subprocess.run(
+        ["bash", str(script), "--bogus"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert r.returncode == 2 and "unknown argument" in r.stderr

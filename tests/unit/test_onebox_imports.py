@@ -86,3 +86,26 @@ def test_the_one_box_job_uses_only_public_apis() -> None:
     for path in files:
         errors = boundary_errors(path.read_text(encoding="utf-8"))
         assert not errors, f"{path.name}: {'; '.join(errors)}"
+
+
+def test_prepare_imports_without_the_server_extra() -> None:
+    """`exgrpo prepare` runs in the trainer image (train and rollout extras, no server extra): its
+    module must not pull the pool service or its dependencies in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'exgrpo_pool', 'pydantic_settings', 'fastapi', 'sqlalchemy'}:\n"
+        "            raise ImportError(f'{name} is not installed here')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import exgrpo_onebox.prepare\n"
+        "from exgrpo_cli.main import app\n"
+        "from typer.testing import CliRunner\n"
+        "r = CliRunner().invoke(app, ['prepare', '--help'])\n"
+        "assert r.exit_code == 0 and '--model-out' in r.output, r.output\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-1500:]
