@@ -320,58 +320,6 @@ def prepare(
     init job). What exists already is kept."""
     if importlib.util.find_spec("torch") is None:
         raise ValueError("prepare needs the train extra: pip install 'exgrpo-stack[train,rollout]'")
-    from exgrpo_onebox.main_job import MainJobOptions
-    from exgrpo_onebox.prepare import prepare_service
-
-    state = _state(ctx, as_json)
-    opts = MainJobOptions(
-        quick=quick,
-        recipe=recipe,
-        overrides=[f"run.pool={pool}", f"run.name={run}", *(overrides or [])],
-    )
-    with state.client() as client:
-        done = prepare_service(client, opts, model_out)
-    facts = {
-        "model": str(done.model),
-        "pool": done.pool,
-        "run": done.run,
-        "questions": done.questions,
-        "pool_created": done.created,
-    }
-    render.show(state.json, facts, lambda: render.kv_table("prepared", facts))
-
-
-@app.command("prepare")
-@friendly_errors
-def prepare(
-    ctx: typer.Context,
-    model_out: Annotated[
-        Path, typer.Option("--model-out", help="Folder of the warm-started tiny model (built once).")
-    ],
-    quick: Annotated[
-        bool, typer.Option("--quick", help="The quick recipe and its smaller warm start.")
-    ] = False,
-    recipe: Annotated[
-        Path | None,
-        typer.Option(help="One-box recipe file (default: cpu_demo, or cpu_demo_quick with --quick)."),
-    ] = None,
-    pool: Annotated[str, typer.Option("--pool", envvar="EXGRPO_POOL", help="Pool to create.")] = "main",
-    run: Annotated[str, typer.Option("--run", envvar="EXGRPO_RUN", help="Run to create.")] = "exgrpo",
-    overrides: Annotated[
-        list[str] | None,
-        typer.Argument(
-            metavar="[KEY=VALUE]...",
-            help="Recipe settings: experience.start_threshold=0.1, pool.k=4, job.train_questions=500.",
-            show_default=False,
-        ),
-    ] = None,
-    as_json: render.JsonOption = False,
-) -> None:
-    """Prepare a running service for the one-box recipe: the warm-started tiny model, a pool of
-    synthetic arithmetic questions with the recipe's rules, and the run (the compose `cpu` profile's
-    init job). What exists already is kept."""
-    if importlib.util.find_spec("torch") is None:
-        raise ValueError("prepare needs the train extra: pip install 'exgrpo-stack[train,rollout]'")
     from exgrpo_onebox.config import MainJobOptions
     from exgrpo_onebox.prepare import prepare_service  # no server extra needed: runs in the trainer image
 
