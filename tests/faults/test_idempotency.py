@@ -25,7 +25,7 @@ from service.factories import (
 )
 from service.harness import ADMIN_TOKEN, Backend, bearer, serve
 
-from .procs import FAULT_HEADER, ServiceProcess, service_env
+from .procs import FAULT_HEADER, FAULT_TRIALS, ServiceProcess, service_env
 
 pytestmark = pytest.mark.faults
 
@@ -48,13 +48,24 @@ def _crash_then_retry(
     return http.request(method, path, json=body, headers=_keyed(key))
 
 
+#: The writes crashed on each backend; the others are sent once, plainly. The default run splits
+#: the six between the backends (a crash costs a restart); the long version crashes all on both.
+CRASHED = {
+    "sqlite-memory": {"c-pool", "c-run", "c-ingest"},
+    "postgres-redis": {"c-questions", "c-plan", "c-commit"},
+}
+
+
 def test_retry_after_a_crash_between_commit_and_answer_gets_the_first_answer(
     backend: Backend, tmp_path: Path
 ) -> None:
     svc = ServiceProcess(service_env(backend), tmp_path / "service.log", fault_hooks=True)
+    crashed = set().union(*CRASHED.values()) if FAULT_TRIALS else CRASHED[backend.name]
     with svc, httpx.Client(base_url=svc.url, headers=bearer(ADMIN_TOKEN), timeout=30) as http:
 
         def crash(method: str, path: str, body: dict[str, Any], key: str, status: int) -> dict[str, Any]:
+            if key not in crashed:
+                return dict(ok(http.request(method, path, json=body, headers=_keyed(key)), status))
             r = _crash_then_retry(svc, http, method, path, body, key)
             assert r.status_code == status, f"{method} {path}: {r.status_code} {r.text}\n{svc.tail()}"
             # and the answer stays the same from then on
@@ -91,7 +102,7 @@ def test_retry_after_a_crash_between_commit_and_answer_gets_the_first_answer(
         stored = committed["stored_trajectories"]
         assert (stats["num_questions"], stats["num_trajectories"]) == (24, 6 + stored)
         assert ok(http.get("/v1/pools/p1/runs/r1"))["step"] == 1
-        assert svc.starts == 7
+        assert svc.starts == 1 + len(crashed)
 
 
 async def test_the_same_key_sent_at_once_is_applied_once(client: httpx.AsyncClient) -> None:

@@ -183,7 +183,7 @@ class Idempotency:
                 return await self._first(fn, status_code, route, digest, reference)
             except _KeyTaken:
                 continue
-        raise Conflict(f"Idempotency-Key {self.key!r} is in use by another request; retry in a moment")
+        raise Conflict("this Idempotency-Key is in use by another request; retry in a moment")
 
     async def _first(
         self,
