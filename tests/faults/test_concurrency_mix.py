@@ -16,10 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from service.factories import K, logprobs_for, question_body
+from service.factories import K, group, question_body
 from service.harness import ADMIN_TOKEN, Backend, bearer
-
-from exgrpo_client.schemas import pack_ids, pack_logprobs
 
 from .conftest import OwnRedis
 from .procs import FAULT_TRIALS, ServiceProcess, scaled, service_env
@@ -35,24 +33,9 @@ SECONDS = scaled(4, 60)
 
 
 def _rollouts(qid: int, tag: tuple[int, int], replay_id: int | None = None) -> dict[str, Any]:
-    rows: list[dict[str, Any]] = []
-    for row, reward in enumerate([1.0, 1.0, 0.0, 0.0][:K]):
-        if row == 0 and replay_id is not None:
-            rows.append({"reward": reward, "replayed": True})
-            continue
-        ids = [qid, row, *tag, int(replay_id is not None)]
-        rows.append(
-            {
-                "reward": reward,
-                "finish_reason": "stop",
-                "token_ids_b64": pack_ids(ids),
-                "logprobs_b64": pack_logprobs(logprobs_for(ids)),
-            }
-        )
-    g: dict[str, Any] = {"question_id": qid, "rollouts": rows}
-    if replay_id is not None:
-        g["replay_trajectory_id"] = replay_id
-    return g
+    """Two correct rows of K, with token ids no other group has."""
+    tokens = lambda q, row: [q, row, *tag, int(replay_id is not None)]  # noqa: E731
+    return group(qid, [1.0, 1.0, 0.0, 0.0][:K], tokens, replay_trajectory_id=replay_id)
 
 
 class Mix:

@@ -28,10 +28,10 @@ from typing import Any
 
 import httpx
 import pytest
-from service.factories import K, logprobs_for, ok, question_body
+from service.factories import K, group, ok, question_body
 from service.harness import ADMIN_TOKEN, Backend, bearer
 
-from exgrpo_client.schemas import pack_ids, pack_logprobs, unpack_ids
+from exgrpo_client.schemas import unpack_ids
 
 from .conftest import OwnRedis
 from .procs import FAULT_HEADER, FAULT_TRIALS, ServiceProcess, service_env, trials
@@ -141,24 +141,10 @@ class Stream(threading.Thread):
         return [qid, row, 1000 + self.n, 100_000 + op, int(replay)]
 
     def rollouts(self, op: int, qid: int, replay_id: int | None) -> dict[str, Any]:
-        rows: list[dict[str, Any]] = []
-        for row, reward in enumerate([1.0, 1.0, 0.0, 0.0][:K]):
-            if row == 0 and replay_id is not None:
-                rows.append({"reward": reward, "replayed": True})
-                continue
-            ids = self.tokens(op, qid, row, replay_id is not None)
-            rows.append(
-                {
-                    "reward": reward,
-                    "finish_reason": "stop",
-                    "token_ids_b64": pack_ids(ids),
-                    "logprobs_b64": pack_logprobs(logprobs_for(ids)),
-                }
-            )
-        g: dict[str, Any] = {"question_id": qid, "rollouts": rows}
-        if replay_id is not None:
-            g["replay_trajectory_id"] = replay_id
-        return g
+        """A group of K with two correct rows (collected in bucket 2, never retired)."""
+        rewards = [1.0, 1.0, 0.0, 0.0][:K]
+        tokens = lambda q, row: self.tokens(op, q, row, replay_id is not None)  # noqa: E731
+        return group(qid, rewards, tokens, replay_trajectory_id=replay_id)
 
     # ---------------------------------------------------------------------------------- writes
     def key(self, op: int) -> str:
