@@ -117,12 +117,14 @@ class RunLeaseKeeper:
         """Extend the lease; False once it is lost (to a take-over). A failure to reach the
         service is logged and retried at the next renewal. `refusal`: the service's answer to a
         refused write, which says why when the lease turns out lost."""
+        if self.lost is not None:
+            return False  # never taken again once lost
         try:
             lease = self.client.acquire_run_lease(self.pool, self.run, self.holder, ttl_s=self.ttl_s)
         except Conflict as e:
             self._lose(e.detail)
             return False
-        except ExgrpoError as e:
+        except Exception as e:  # the service unreachable, or answering oddly: try again later
             log.warning(
                 "renewing the lease of %s failed (tried again in %.0f s): %s", self.name, self.ttl_s / 3, e
             )

@@ -139,16 +139,22 @@ class PoolSession:
                     run.overrides,
                     self.rules,
                 )
-        self.keeper = RunLeaseKeeper(
-            client,
-            cfg.pool,
-            cfg.name,
-            holder=self.holder,
-            ttl_s=cfg.lease_ttl_s,
-            takeover=cfg.takeover,
-            wait_s=cfg.lease_wait_s,
-        )
-        self.keeper.acquire()
+        if self.keeper is not None and self.keeper.lease is not None:
+            # attached before (e.g. `attach()`, then `train()`): the same lease, renewed
+            self.keeper.raise_if_lost()
+            self.keeper.renew()
+            self.keeper.raise_if_lost()
+        else:
+            self.keeper = RunLeaseKeeper(
+                client,
+                cfg.pool,
+                cfg.name,
+                holder=self.holder,
+                ttl_s=cfg.lease_ttl_s,
+                takeover=cfg.takeover,
+                wait_s=cfg.lease_wait_s,
+            )
+            self.keeper.acquire()
         run = client.get_run(cfg.pool, cfg.name)  # as its owner left it
         return RunState(step=run.step, policy_version=run.policy_version, created_at=run.created_at)
 

@@ -7,6 +7,7 @@ trainer of two ranks that is fenced out stops on both (rank 0's refusal reaches 
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,10 @@ def _config(url: str, pool: str, model: Path, out: Path, *overrides: str) -> Tra
     )  # fmt: skip
 
 
+def _lease_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "exgrpo-run-lease" and t.is_alive()]
+
+
 def test_a_second_trainer_is_refused_and_a_takeover_fences_the_first(
     live_server: Any, pool_name: str, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -47,6 +52,8 @@ def test_a_second_trainer_is_refused_and_a_takeover_fences_the_first(
     first = Trainer(_config(url, pool_name, tiny_model, tmp_path / "first", "run.steps=5"))
     try:
         first.attach()
+        first.attach()  # again (as train() does): the same lease, one renewal thread
+        assert len(_lease_threads()) == 1
         holder = first.session.holder
 
         # the same run name again: refused at attach, told who holds the run and how to take over
@@ -71,6 +78,7 @@ def test_a_second_trainer_is_refused_and_a_takeover_fences_the_first(
             first.train_step()
     finally:
         first.close()  # the lost lease is not released: the owner's stays
+    assert _lease_threads() == [], "every renewal thread ends with its trainer"
 
     with Client(url) as client:
         # the run's steps and curve are the new owner's alone
