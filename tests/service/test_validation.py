@@ -210,7 +210,7 @@ async def test_unknown_resources_are_404(client: httpx.AsyncClient) -> None:
     # a batch of one pool is not reachable through another
     await create_pool(client, "p2")
     assert_problem(await client.post(f"/v1/pools/p2/batches/{plan['id']}/commit", json=body), 404)
-    assert_problem(await client.delete("/v1/pools/p1"), 405)
+    assert_problem(await client.put("/v1/pools/p1"), 405)  # DELETE deletes a pool (admin)
     after = await _snapshot(client, plan)
     after["pools"] = before["pools"]  # p2 was created on purpose
     assert after == before
