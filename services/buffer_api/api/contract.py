@@ -113,8 +113,28 @@ def _errors_of(path: str, method: str, op: dict[str, Any]) -> list[int]:
     return sorted(statuses)
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _exact_integer_bounds(node: Any) -> None:
+    """FastAPI's document model keeps bounds as floats, so the largest int64 reads back as 2**63
+    (one more than a BIGINT column holds). Integer bounds are written as exact integers again."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                value = node.get(key)
+                if isinstance(value, float) and value.is_integer():
+                    node[key] = INT64_MAX if value == 2.0**63 else int(value)
+        for value in node.values():
+            _exact_integer_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _exact_integer_bounds(value)
+
+
 def describe(spec: dict[str, Any], routes: list[Any]) -> None:
     """Rewrite a generated OpenAPI document in place (see the module docstring)."""
+    _exact_integer_bounds(spec)
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
     schemas["Problem"] = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
     for name in ("HTTPValidationError", "ValidationError"):
