@@ -113,7 +113,7 @@ def serve(
     database_url: Annotated[
         str | None, typer.Option(help="SQLAlchemy async URL (EXGRPO_DATABASE_URL).")
     ] = None,
-    redis_url: Annotated[str | None, typer.Option(help="Redis URL for index and idempotency cache.")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="Redis URL for the sampling index.")] = None,
     anonymous: Annotated[
         bool | None,
         typer.Option(

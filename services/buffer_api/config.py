@@ -95,8 +95,8 @@ class Settings(BaseSettings):
     database_url: str = f"sqlite+aiosqlite:///{DEFAULT_DATA_DIR / 'pool.db'}"
     """SQLAlchemy async URL. `postgresql+asyncpg://...` for Postgres; a SQLite file by default."""
     redis_url: str | None = None
-    """`redis://host:6379/0` puts the sampling index and idempotency cache in Redis; unset keeps
-    them in process (one service process only)."""
+    """`redis://host:6379/0` puts the sampling index in Redis; unset keeps it in process (one
+    service process only)."""
     redis_prefix: str = "exgrpo"
     """Prefix of every Redis key, so several deployments can share one Redis."""
     redis_timeout_s: float = Field(1.0, gt=0, le=60)
