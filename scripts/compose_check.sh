@@ -31,6 +31,7 @@
 #   --steps N           trainer steps (default 16)
 #   --keep              leave the stack running (tear down later with the command it prints)
 #   --no-install        fail instead of installing missing tools
+#   --reuse-images      do not build the project images when they exist (iterating on the stack)
 #   --timeout S         the longest wait for the training to finish (default 1800)
 # Environment: EXGRPO_CHECK_PORT_BASE (default 18000): the stack's ports are BASE+432 (Postgres),
 # BASE+379 (Redis), BASE+700 (pool), BASE+1090 (Prometheus), BASE+1300/1400 (worker/trainer metrics),
@@ -45,6 +46,7 @@ DRY_RUN=0
 STEPS=16
 KEEP=0
 INSTALL=1
+REUSE=0
 TRAIN_TIMEOUT=1800
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -53,6 +55,7 @@ while [ $# -gt 0 ]; do
     --steps) STEPS="$2"; shift 2 ;;
     --keep) KEEP=1; shift ;;
     --no-install) INSTALL=0; shift ;;
+    --reuse-images) REUSE=1; shift ;;
     --timeout) TRAIN_TIMEOUT="$2"; shift 2 ;;
     -h | --help) sed -n '2,40p' "$0"; exit 0 ;;
     *) echo "compose_check: unknown argument $1" >&2; exit 2 ;;
@@ -356,6 +359,17 @@ build_service() {  # build_service NAME...
   compose --profile "$PROFILE" build "$@" >"$STATE/build.log" 2>&1 \
     || { tail -40 "$STATE/build.log" >&2; die "building $* failed"; }
 }
+keep_build_stages() {
+  # The build stages (torch and the dependencies in /opt/venv) are in no final image: tagged, they
+  # survive the prune of dangling images at the end and the next run reuses them.
+  local args=(--build-arg "PYTHON_IMAGE=$PYTHON_IMAGE") entry spec file stage
+  for entry in "${BUILD_ENV[@]}"; do args+=(--build-arg "$entry"); done
+  for spec in pool:build rollout:build trainer:build-cpu; do
+    file="${spec%%:*}" stage="${spec##*:}"
+    docker build -q --network host "${args[@]}" -f "deploy/$file.Dockerfile" --target "$stage" \
+      -t "exgrpo-local/build-cache:$file-$stage" . >/dev/null 2>&1 || log "could not keep the $file $stage stage"
+  done
+}
 image_mb() { docker image inspect -f '{{.Size}}' "$1" | awk '{printf "%d", $1 / 1048576}'; }
 
 if [ "$PROFILE" = gpu ]; then
@@ -398,7 +412,13 @@ for name, svc in yaml.safe_load(sys.stdin)["services"].items():
   exit 0
 fi
 
-build_service pool init rollout-cpu trainer-cpu
+if [ "$REUSE" = 1 ] && docker image inspect exgrpo/pool:0.1.0 exgrpo/rollout:0.1.0 exgrpo/trainer:0.1.0-cpu \
+  >/dev/null 2>&1; then
+  log "reusing the project images (--reuse-images)"
+else
+  build_service pool init rollout-cpu trainer-cpu
+  keep_build_stages
+fi
 fact "images pool $(image_mb exgrpo/pool:0.1.0) MB, rollout $(image_mb exgrpo/rollout:0.1.0) MB, trainer $(image_mb exgrpo/trainer:0.1.0-cpu) MB"
 if [ "$DRY_RUN" = 1 ]; then exit 0; fi
 
@@ -429,8 +449,8 @@ for f in pathlib.Path("services/buffer_api/store/migrations/versions").glob("*.p
 print(" ".join(sorted(revs - downs)))
 PY
 )"
-have_rev="$(docker exec "$(cid postgres)" psql -h 127.0.0.1 -p "$PG_PORT" -U exgrpo -d exgrpo -tAc \
-  'select version_num from alembic_version' 2>/dev/null || true)"
+have_rev="$(docker exec "$(cid postgres)" psql -p "$PG_PORT" -U exgrpo -d exgrpo -tAc \
+  'select version_num from alembic_version' 2>&1 || true)"
 [ -n "$have_rev" ] && [ "$have_rev" = "$want_rev" ] \
   || die "migrations: database at '${have_rev}', the code's head is '${want_rev}'"
 fact "migrations at head $have_rev"
