@@ -16,6 +16,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Connection, text
 
+from exgrpo_client import schemas as s
 from exgrpo_pool.store import db as dbmod
 from exgrpo_pool.store.models import Base
 
@@ -153,3 +154,33 @@ def test_scope_migration_moves_pooled_states_and_per_run_trajectories(empty_url:
     command.downgrade(dbmod.alembic_config(empty_url), "0003")
     (states,) = _sql(empty_url, [("SELECT pool_id, scope FROM run_question ORDER BY pool_id", {})])
     assert states == [(1, 1), (2, 0), (3, 0)]
+
+
+def test_bucket_shape_migration_clamps_stored_configs(empty_url: str) -> None:
+    dbmod.upgrade(empty_url, "0005")
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    configs = {
+        1: {"k": 4, "sigma": 1e-200, "mu": 1e308},  # accepted before the bounds, unusable since
+        2: {"k": 4, "sigma": 2.0, "mu": -3e9},
+        3: {"k": 8, "sigma": 0.5, "mu": None},  # inside the bounds: untouched
+    }
+    _sql(
+        empty_url,
+        [
+            (
+                "INSERT INTO pool (id, name, description, config, created_at, updated_at) "
+                "VALUES (:id, :name, '', :config, :now, :now)",
+                {"id": pid, "name": f"p{pid}", "config": json.dumps(cfg), "now": now},
+            )
+            for pid, cfg in configs.items()
+        ],
+    )
+    dbmod.upgrade(empty_url)
+    (rows,) = _sql(empty_url, [("SELECT id, config FROM pool ORDER BY id", {})])
+    stored = {pid: cfg if isinstance(cfg, dict) else json.loads(cfg) for pid, cfg in rows}
+    assert stored[1] == {"k": 4, "sigma": 1e-6, "mu": 1e6}
+    assert stored[2] == {"k": 4, "sigma": 2.0, "mu": -1e6}
+    assert stored[3] == configs[3]
+    # and the clamped configs load as pool configs again
+    for cfg in stored.values():
+        s.PoolConfig.model_validate(cfg, strict=False)
