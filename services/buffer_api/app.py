@@ -12,6 +12,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import sqlalchemy.exc
+from asyncpg import exceptions as asyncpg_errors
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -138,11 +140,50 @@ def install_handlers(app: FastAPI) -> None:
         return response
 
 
+_DATABASE_DOWN = (
+    ConnectionError,  # refused, reset, broken pipe: the server is not there
+    asyncpg_errors.PostgresConnectionError,  # the connection went away mid-request
+    asyncpg_errors.OperatorInterventionError,  # the server is shutting down or starting
+    sqlalchemy.exc.TimeoutError,  # no connection came free in time
+)
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it was raised from) says the database cannot be reached, as
+    opposed to a failure of the request itself."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, _DATABASE_DOWN):
+            return True
+        if isinstance(cur, sqlalchemy.exc.DBAPIError) and cur.connection_invalidated:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def unexpected_problem(request: Request, exc: Exception) -> JSONResponse:
     """The answer to an exception no handler knows. It is produced inside the observability
     middleware, so it is logged and counted like any answer, and the connection stays usable.
     Whatever the failure, the request's transaction was rolled back: a write that committed never
-    raises afterwards (index updates after a commit log their failures)."""
+    raises afterwards (index updates after a commit log their failures). A database that cannot
+    be reached is answered 503 with Retry-After, like an unreachable Redis."""
+    if database_unavailable(exc):
+        log.warning(
+            "database unavailable: %s",
+            exc,
+            extra={"fields": {"path": request.url.path, "request_id": request.state.request_id}},
+        )
+        response = problem(
+            503,
+            "Service unavailable",
+            f"the database did not answer ({type(exc).__name__}); the request changed nothing. "
+            "Retry in a moment",
+            request,
+        )
+        response.headers["Retry-After"] = "1"
+        return response
     log.error(
         "unhandled error",
         exc_info=exc,
