@@ -333,8 +333,10 @@ def select(
     return Call("POST", f"{_runs(pool)}/{seg(run)}/select", _model(s.SelectResult), body=_body(body))
 
 
-def acquire_run_lease(pool: str, run: str, holder: str, ttl_s: float, takeover: bool) -> Call[s.RunLease]:
-    body = s.RunLeaseRequest(holder=holder, ttl_s=float(ttl_s), takeover=takeover)
+def acquire_run_lease(
+    pool: str, run: str, holder: str, ttl_s: float, takeover: bool, generation: int | None = None
+) -> Call[s.RunLease]:
+    body = s.RunLeaseRequest(holder=holder, ttl_s=float(ttl_s), takeover=takeover, generation=generation)
     return write("PUT", f"{_runs(pool)}/{seg(run)}/lease", body, _model(s.RunLease))
 
 

@@ -283,12 +283,20 @@ class Client(BaseClient):
 
     # ---------------------------------------------------------------------------- run leases
     def acquire_run_lease(
-        self, pool: str, run: str, holder: str, *, ttl_s: float = 60.0, takeover: bool = False
+        self,
+        pool: str,
+        run: str,
+        holder: str,
+        *,
+        ttl_s: float = 60.0,
+        takeover: bool = False,
+        generation: int | None = None,
     ) -> s.RunLease:
         """Take (or renew, for the same holder) the run's writer lease. `Conflict` while another
-        holder's lease lives, unless `takeover`, which fences that holder out. Pass the answer to
-        `use_run_lease` so this client's writes of the run carry it."""
-        return self._request(b.acquire_run_lease(pool, run, holder, ttl_s, takeover))
+        holder's lease lives, unless `takeover`, which fences that holder out; with `generation`,
+        only a renewal of that generation (`Conflict` naming who took the run since). Pass the
+        answer to `use_run_lease` so this client's writes of the run carry it."""
+        return self._request(b.acquire_run_lease(pool, run, holder, ttl_s, takeover, generation))
 
     def release_run_lease(self, pool: str, run: str, holder: str) -> None:
         """Give the run's lease up (`Conflict` if `holder` does not hold it); this client stops
@@ -620,12 +628,20 @@ class AsyncClient(BaseClient):
 
     # ---------------------------------------------------------------------------- run leases
     async def acquire_run_lease(
-        self, pool: str, run: str, holder: str, *, ttl_s: float = 60.0, takeover: bool = False
+        self,
+        pool: str,
+        run: str,
+        holder: str,
+        *,
+        ttl_s: float = 60.0,
+        takeover: bool = False,
+        generation: int | None = None,
     ) -> s.RunLease:
         """Take (or renew, for the same holder) the run's writer lease. `Conflict` while another
-        holder's lease lives, unless `takeover`, which fences that holder out. Pass the answer to
-        `use_run_lease` so this client's writes of the run carry it."""
-        return await self._request(b.acquire_run_lease(pool, run, holder, ttl_s, takeover))
+        holder's lease lives, unless `takeover`, which fences that holder out; with `generation`,
+        only a renewal of that generation (`Conflict` naming who took the run since). Pass the
+        answer to `use_run_lease` so this client's writes of the run carry it."""
+        return await self._request(b.acquire_run_lease(pool, run, holder, ttl_s, takeover, generation))
 
     async def release_run_lease(self, pool: str, run: str, holder: str) -> None:
         """Give the run's lease up (`Conflict` if `holder` does not hold it); this client stops

@@ -488,6 +488,13 @@ class RunLeaseRequest(Incoming):
     holder: Text = Field(min_length=1, max_length=200, description="Who writes (a trainer's id).")
     ttl_s: FiniteFloat = Field(60.0, ge=1, le=3600, description="Seconds the lease lives unless renewed.")
     takeover: bool = Field(False, description="Fence out a live holder (its generation becomes stale).")
+    generation: int | None = Field(
+        None,
+        ge=1,
+        le=2**31 - 1,
+        description="Renew only: refused (409, naming who took the run) unless the run's lease is still "
+        "this holder's with this generation, live or expired with nobody taking it since.",
+    )
 
 
 class RunLease(Strict):

@@ -120,7 +120,13 @@ class RunLeaseKeeper:
         if self.lost is not None:
             return False  # never taken again once lost
         try:
-            lease = self.client.acquire_run_lease(self.pool, self.run, self.holder, ttl_s=self.ttl_s)
+            lease = self.client.acquire_run_lease(
+                self.pool,
+                self.run,
+                self.holder,
+                ttl_s=self.ttl_s,
+                generation=self.lease.generation if self.lease is not None else None,
+            )
         except Conflict as e:
             self._lose(e.detail)
             return False

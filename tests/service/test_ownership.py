@@ -137,3 +137,27 @@ async def test_release_and_header_rules(client: httpx.AsyncClient) -> None:
     for body in ({"holder": "", "ttl_s": 10}, {"holder": "x", "ttl_s": 0.5}, {"holder": "x", "ttl_s": 4000}):
         assert (await client.put(LEASE, json=body)).status_code == 422
     assert (await client.put("/v1/pools/p1/runs/nope/lease", json={"holder": "x"})).status_code == 404
+
+
+async def test_renewal_of_a_generation_names_who_took_the_run_since(client: httpx.AsyncClient) -> None:
+    await setup_pool(client)
+
+    def renew(holder: str, generation: int) -> Any:
+        body = {"holder": holder, "ttl_s": 60.0, "generation": generation}
+        return client.put(LEASE, json=body)
+
+    a = ok(await _acquire(client, "trainer-a"))
+    again = ok(await renew("trainer-a", a["generation"]))  # its own generation: renewed
+    assert again["generation"] == a["generation"] and again["holder"] == "trainer-a"
+
+    b = ok(await _acquire(client, "trainer-b", takeover=True))
+    released = await client.delete(LEASE, params={"holder": "trainer-b"})  # taken over, then given back
+    assert released.status_code == 204
+    refused = await renew("trainer-a", a["generation"])
+    assert refused.status_code == 409
+    detail = refused.json()["detail"]
+    assert "trainer-b" in detail and f"generation {b['generation']}" in detail
+    # a plain acquire would have taken the free run: renewal-only leaves it free
+    assert ok(await _acquire(client, "trainer-c"))["generation"] == b["generation"] + 1
+    never = await client.put("/v1/pools/p1/runs/r2/lease", json={"holder": "x", "generation": 1})
+    assert never.status_code in (404, 409)

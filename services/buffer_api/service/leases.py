@@ -138,6 +138,20 @@ async def acquire(ctx: Context, pool: Pool, run_name: str, req: s.RunLeaseReques
         lease = await repo.get_lease(session, run.id)
         now = utcnow()
         expires = now + timedelta(seconds=req.ttl_s)
+        if req.generation is not None and (
+            lease is None or (lease.holder, lease.generation) != (req.holder, req.generation)
+        ):
+            since = (
+                "nobody ever held it"
+                if lease is None
+                else (
+                    f"it was since leased to {lease.holder!r} with generation {lease.generation}"
+                    f" ({'live' if _live(lease, now) else 'no longer live'})"
+                )
+            )
+            raise Conflict(
+                f"lease {req.holder}:{req.generation} of run {run.name!r} cannot be renewed: {since}"
+            )
         if lease is None:
             lease = RunLease(
                 run_id=run.id,
