@@ -6,7 +6,8 @@
 # one CUDA, not a CUDA base image's as well. The host needs the NVIDIA driver and container toolkit
 # (they mount the driver into the container).
 # Package index settings of the build (PIP_INDEX_URL, PIP_CA_CERTS, ...): deploy/docker/pip-install.sh.
-# The cpu stages come first: the classic builder builds every stage before the target.
+# The cpu stages come first: the classic builder builds every stage before the target, so the cpu
+# target skips the CUDA download there (the gpu target builds the small cpu stages as well).
 # The CMD starts `exgrpo-launch-trainer` (deploy/docker/launch-trainer.sh): NNODES,
 # NPROC_PER_NODE, NODE_RANK and RDZV_ENDPOINT choose single- or multi-node torchrun.
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
@@ -60,9 +61,10 @@ ARG PIP_TRUSTED_HOST
 ARG PIP_CA_CERTS
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY deploy/docker/pip-install.sh /usr/local/bin/pip-install
-# PyPI's torch for Linux x86_64 is the CUDA build: it pulls the nvidia-* library wheels
+# PyPI's torch for Linux x86_64 is the CUDA build: it pulls the nvidia-* library wheels. Only
+# the index here: find-links may hold a CPU wheel of the same version, which would satisfy the pin.
 RUN python -m venv /opt/venv \
- && pip-install "torch==${TORCH_VERSION}"
+ && PIP_FIND_LINKS= pip-install "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY services ./services

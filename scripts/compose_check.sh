@@ -340,7 +340,9 @@ PYYAML=python3
 python3 -c 'import yaml' 2>/dev/null || PYYAML="$(head -1 "$(command -v docker-compose)" | sed 's/^#! *//')"
 resolve_compose() {
   touch "$STATE/compose.yml" && chmod 600 "$STATE/compose.yml"  # it holds the generated secrets
-  env "${BUILD_ENV[@]}" "${COMPOSE[@]}" --project-name "$PROJECT" --env-file "$STATE/check.env" \
+  # only the settings found above: none of the caller's own PIP_* variables
+  env -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_FIND_LINKS -u PIP_TRUSTED_HOST -u PIP_CA_CERTS \
+    -u TORCH_CPU_INDEX "${BUILD_ENV[@]}" "${COMPOSE[@]}" --project-name "$PROJECT" --env-file "$STATE/check.env" \
     -f docker-compose.yml -f deploy/local/compose.hostnet.yml --profile cpu --profile gpu config \
     | $PYYAML -c '
 import sys, yaml
@@ -392,14 +394,6 @@ for name, svc in yaml.safe_load(sys.stdin)["services"].items():
       [ "$id" -lt "$gpus" ] || die "$name reserves GPU $id, which a host with $gpus GPU(s) lacks"
     done <<<"$reserved"
     fact "gpu profile: every reserved GPU exists on a $gpus-GPU host ($(echo $reserved))"
-    # a torch +cpu wheel among the find-links would satisfy torch==2.13.0: the GPU image needs
-    # PyPI's CUDA build, so the find-links stay out of this build
-    local kept=()
-    for entry in "${BUILD_ENV[@]}"; do
-      case "$entry" in PIP_FIND_LINKS=*) log "gpu build without $entry" ;; *) kept+=("$entry") ;; esac
-    done
-    BUILD_ENV=("${kept[@]}")
-    resolve_compose
     build_service trainer-gpu
     local cudart
     cudart="$(docker run --rm --network none --entrypoint sh "exgrpo/trainer:0.1.0-gpu" -c \
