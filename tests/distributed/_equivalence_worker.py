@@ -9,6 +9,7 @@ to OUT_FILE. The same rows on any number of ranks must give the same numbers.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -105,6 +106,7 @@ def main(model_dir: Path, out_file: Path) -> None:
             results.append({"metrics": metrics, "old_lp": old_lp, "state": state})
         if dist.is_main():
             torch.save({"world": dist.world(), "steps": results}, out_file)
+        dist.barrier()  # every rank is done with the collectives before any tears its group down
     finally:
         trainer.close()
         dist.close()
@@ -112,3 +114,8 @@ def main(model_dir: Path, out_file: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]))
+    # Leave without the interpreter's teardown: under load, gloo's threads were seen aborting a
+    # process while it was torn down (SIGABRT after the results were written).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
