@@ -124,20 +124,25 @@ def install_handlers(app: FastAPI) -> None:
     async def _redis_unavailable(request: Request, exc: RedisError) -> JSONResponse:
         # Redis is only read or written before a request's transaction commits (index updates
         # after a commit never raise), so the transaction was rolled back
-        log.warning(
-            "redis unavailable: %s",
-            exc,
-            extra={"fields": {"path": request.url.path, "request_id": request.state.request_id}},
-        )
-        response = problem(
-            503,
-            "Service unavailable",
-            f"the sampling index (Redis) did not answer ({type(exc).__name__}); the request changed "
-            "nothing. Retry in a moment",
-            request,
-        )
-        response.headers["Retry-After"] = "1"
-        return response
+        return unavailable(request, "the sampling index (Redis)", exc)
+
+
+def unavailable(request: Request, what: str, exc: BaseException) -> JSONResponse:
+    """503 with Retry-After: `what` (a backing store) did not answer; nothing was changed."""
+    log.warning(
+        "%s unavailable: %s",
+        what,
+        exc,
+        extra={"fields": {"path": request.url.path, "request_id": request.state.request_id}},
+    )
+    response = problem(
+        503,
+        "Service unavailable",
+        f"{what} did not answer ({type(exc).__name__}); the request changed nothing. Retry in a moment",
+        request,
+    )
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 _DATABASE_DOWN = (
@@ -170,20 +175,7 @@ def unexpected_problem(request: Request, exc: Exception) -> JSONResponse:
     raises afterwards (index updates after a commit log their failures). A database that cannot
     be reached is answered 503 with Retry-After, like an unreachable Redis."""
     if database_unavailable(exc):
-        log.warning(
-            "database unavailable: %s",
-            exc,
-            extra={"fields": {"path": request.url.path, "request_id": request.state.request_id}},
-        )
-        response = problem(
-            503,
-            "Service unavailable",
-            f"the database did not answer ({type(exc).__name__}); the request changed nothing. "
-            "Retry in a moment",
-            request,
-        )
-        response.headers["Retry-After"] = "1"
-        return response
+        return unavailable(request, "the database", exc)
     log.error(
         "unhandled error",
         exc_info=exc,
