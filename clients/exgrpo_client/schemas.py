@@ -531,12 +531,36 @@ class PolicyVersionsPublic(Strict):
 
 
 # -------------------------------------------------------------------------------------- batches
+class SamplingParams(Incoming):
+    """How a generation task is sampled; the trainer sends its own settings with the plan."""
+
+    temperature: FiniteFloat = Field(1.0, ge=0)
+    top_p: FiniteFloat = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(8192, ge=1, le=2**31 - 1)
+    min_tokens: int = Field(0, ge=0, le=2**31 - 1)
+
+
 class BatchCreate(Incoming):
     batch_size: int | None = Field(None, ge=1, le=65_536)
     experience_ratio: FiniteFloat | None = Field(None, ge=0, le=1)
     candidates: CandidateMode = Field("all", description="Stored trajectories sent with replays.")
     create_tasks: bool = Field(False, description="Queue generation tasks for remote workers.")
     replan: bool = Field(False, description="Abandon an open uncommitted batch and plan anew.")
+    policy_version: Int32 | None = Field(
+        None,
+        description="The policy version the batch's tasks are generated with; it must be published "
+        "for the run (409 otherwise). Default: the run's newest published version.",
+    )
+    min_policy_version: Int32 | None = Field(
+        None,
+        description="Asynchronous generation: a worker may generate the tasks with any published "
+        "version >= this one (at most `policy_version`). Default: exactly `policy_version`.",
+    )
+    sampling: SamplingParams | None = Field(
+        None,
+        description="Sampling settings every task of the batch is generated with (stored with each "
+        "task). Default: the worker's own settings.",
+    )
 
 
 class FreshItem(Strict):
@@ -643,16 +667,23 @@ class SelectResult(Strict):
 
 
 # ---------------------------------------------------------------------------------------- tasks
-class SamplingParams(Incoming):
-    temperature: FiniteFloat = Field(1.0, ge=0)
-    top_p: FiniteFloat = Field(1.0, gt=0, le=1)
-    max_tokens: int = Field(8192, ge=1, le=2**31 - 1)
 
 
 class TaskClaim(Incoming):
     worker: Text = Field(min_length=1, max_length=256)
     max_tasks: int = Field(1, ge=1, le=1024)
     lease_seconds: FiniteFloat = Field(120.0, gt=0, le=86_400)
+
+
+class PoolTaskClaim(TaskClaim):
+    """A claim over several runs of a pool (a shared worker fleet). The tasks of one answer all
+    belong to one run and one policy version; the run is chosen fairly among those with pending
+    tasks (the run whose oldest pending task has waited longest, among those with the fewest
+    leased tasks)."""
+
+    runs: list[Name] | None = Field(
+        None, max_length=1024, description="Runs to serve (default: every run of the pool)."
+    )
 
 
 class TaskPublic(Strict):
@@ -666,6 +697,13 @@ class TaskPublic(Strict):
     num_samples: int
     replayed: bool
     policy_version: int
+    """Exact tasks: the version to generate with. Otherwise the oldest version allowed."""
+    policy_exact: bool = True
+    """Generate with exactly `policy_version` (synchronous mode), or any published version >= it."""
+    policy_uri: str | None = None
+    """Where `policy_version` of the run is published (None: not published)."""
+    sampling: SamplingParams | None = None
+    """Sampling settings the trainer asked for (None: the worker's own)."""
     status: TaskStatus
     attempts: int
     lease_token: str | None
@@ -685,6 +723,11 @@ class TaskRenew(Incoming):
 class TaskComplete(Incoming):
     lease_token: Text
     rollouts: list[RolloutResult] = Field(min_length=1, max_length=1024)
+    policy_version: Int32 | None = Field(
+        None,
+        description="The policy version the rollouts were generated with; required for tasks that "
+        "name one (an exact task refuses any other, an asynchronous one any older than allowed).",
+    )
 
 
 class TaskFail(Incoming):
@@ -699,6 +742,9 @@ class TaskGroupResult(GroupResult):
     replayed: bool = Field(
         False,
         description="The task's question is replayed in the batch: these are its K-1 generated samples.",
+    )
+    policy_version: int | None = Field(
+        None, description="The policy version the samples were generated with (as the worker said)."
     )
 
 
