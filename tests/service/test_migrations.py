@@ -184,3 +184,51 @@ def test_bucket_shape_migration_clamps_stored_configs(empty_url: str) -> None:
     # and the clamped configs load as pool configs again
     for cfg in stored.values():
         s.PoolConfig.model_validate(cfg, strict=False)
+
+
+def test_task_settings_migration_keeps_queued_tasks_exact(empty_url: str) -> None:
+    dbmod.upgrade(empty_url, "0006")
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    _sql(
+        empty_url,
+        [
+            (
+                "INSERT INTO pool (id, name, description, config, created_at, updated_at) "
+                "VALUES (1, 'p1', '', '{}', :now, :now)",
+                {"now": now},
+            ),
+            (
+                "INSERT INTO question (id, pool_id, content_hash, prompt, ground_truth, data_source, "
+                "metadata, created_at) VALUES (1, 1, :h, '[]', '1', '', '{}', :now)",
+                {"h": b"\x01" * 16, "now": now},
+            ),
+            (
+                "INSERT INTO run (id, pool_id, name, seed, phase, step, policy_version, epoch, cursor, "
+                "overrides, created_at, updated_at) "
+                "VALUES (1, 1, 'r', 0, 'on_policy', 0, 3, -1, 0, '{}', :now, :now)",
+                {"now": now},
+            ),
+            (
+                "INSERT INTO batch (id, run_id, step, status, phase, policy_version, plan, created_at) "
+                "VALUES ('b1', 1, 1, 'planned', 'on_policy', 3, '{}', :now)",
+                {"now": now},
+            ),
+            (
+                "INSERT INTO task (id, batch_id, run_id, question_id, num_samples, replayed, policy_version, "
+                "status, attempts, created_at, updated_at) "
+                "VALUES (1, 'b1', 1, 1, 4, false, 3, 'pending', 0, :now, :now)",
+                {"now": now},
+            ),
+        ],
+    )
+    dbmod.upgrade(empty_url)
+    (rows,) = _sql(
+        empty_url, [("SELECT policy_version, policy_exact, sampling, generated_version FROM task", {})]
+    )
+    # a task queued before the settings existed is an exact task of its version, sampled as the
+    # worker likes, with no reported version yet
+    assert [(v, bool(exact), sampling, gen) for v, exact, sampling, gen in rows] == [(3, True, None, None)]
+    assert _schema_diff(empty_url) == []
+    command.downgrade(dbmod.alembic_config(empty_url), "0006")
+    (rows,) = _sql(empty_url, [("SELECT id, policy_version FROM task", {})])
+    assert rows == [(1, 3)]

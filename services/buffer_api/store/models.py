@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -207,6 +208,12 @@ class Task(Base):
     num_samples: Mapped[int] = mapped_column(Integer)
     replayed: Mapped[bool] = mapped_column(Boolean, default=False)
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    """Exact tasks: the version to generate with; otherwise the oldest version allowed."""
+    policy_exact: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    sampling: Mapped[dict[str, Any] | None] = mapped_column(Json, nullable=True)
+    """The sampling settings the plan asked for (None: the worker's own)."""
+    generated_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """The version the worker said it generated with (None: it did not say, or not completed)."""
     status: Mapped[TaskStatus] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(256), nullable=True)
