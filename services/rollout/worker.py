@@ -40,8 +40,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlparse
-from urllib.request import url2pathname
 
 from exgrpo_client import Client, rollout
 from exgrpo_client.errors import BadRequest, Conflict, ExgrpoError, NotFound
@@ -49,6 +47,7 @@ from exgrpo_client.schemas import RolloutResult, TaskPublic
 from exgrpo_rollout.engines.base import Completion, GenerationEngine, SamplingConfig
 from exgrpo_rollout.logs import fields
 from exgrpo_rollout.prompts import render_prompt
+from exgrpo_rollout.weights import path_from_uri
 
 if TYPE_CHECKING:
     from exgrpo_rollout.engines.factory import EngineName
@@ -72,21 +71,6 @@ TEST_DELAY_ENV = "EXGRPO_WORKER_TEST_DELAY_S"
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def path_from_uri(uri: str) -> str:
-    """Local path of a published policy: a `file://` uri or a plain path."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"policy uri {uri!r} names host {parsed.netloc!r}: only local file:// uris load")
-        return url2pathname(unquote(parsed.path))
-    if parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):
-        return uri
-    raise ValueError(
-        f"policy uri {uri!r}: scheme {parsed.scheme!r} is not supported; workers load file:// uris "
-        "from a filesystem shared with the trainer"
-    )
 
 
 @dataclass(kw_only=True)
