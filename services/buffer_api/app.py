@@ -351,6 +351,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx = await build_context(settings, metrics)
         app.state.ctx = ctx
+        await ctx.index.prepare()
         indexed = await rebuild_all(ctx)
         log.info(
             "pool service ready",

@@ -53,6 +53,9 @@ class BucketIndex(Protocol):
         """Forget a scope (its run was deleted, or the index could not follow a change): it is not
         loaded until rebuilt."""
 
+    async def prepare(self) -> None:
+        """Once at start-up, before the first rebuild: bring over what an older version left."""
+
     async def ping(self) -> bool: ...
 
     async def close(self) -> None: ...

@@ -77,6 +77,9 @@ class MemoryIndex:
         self._loaded.discard(scope)
         self._scopes.pop(scope, None)
 
+    async def prepare(self) -> None:
+        return None
+
     async def ping(self) -> bool:
         return True
 

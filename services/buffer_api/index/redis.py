@@ -9,6 +9,11 @@ A rebuild stages the new buckets under keys of its own (`P:idx:S:stage:<random>:
 then one Lua script swaps them in: rebuilds running at once never touch each other's keys, and
 readers see either the old scope or a new one, whole. The script changes nothing when a staged key
 is gone (Redis flushed meanwhile).
+
+No request walks the db (SCAN, KEYS): a scope's buckets are found through its `bk` set, so the cost
+of a plan or a select does not depend on how many other keys the db holds. Bucket keys written
+before the `bk` set existed are found once, at start-up (`prepare`), under the `P:idx:format`
+marker.
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ return 1
 )
 
 _CHUNK = 5000
+#: the key layout this module writes (the `bk` set of every scope); older layouts are dropped once
+_FORMAT = "2"
 #: staged keys of a rebuild that died half-way expire after this long
 _STAGE_TTL_S = 600
 
@@ -115,12 +122,24 @@ class RedisIndex:
     async def _buckets(self, scope: int) -> list[int]:
         return sorted(int(b) for b in await self._r.smembers(self._k(scope, "bk")))
 
-    async def _legacy_keys(self, scope: int) -> list[str]:
-        """Bucket keys of a scope written before the `bk` set existed (found by a scan, once)."""
-        if await self._r.exists(self._k(scope, "bk")):
-            return []
-        pattern = self._k(scope, "b:*")
-        return [k.decode() if isinstance(k, bytes) else k async for k in self._r.scan_iter(pattern)]
+    async def prepare(self) -> None:
+        """Once per Redis db and key prefix, at start-up: drop the scopes whose bucket keys were
+        written before the `bk` set existed (they are rebuilt from the database on their next
+        use), so no request ever has to look for such keys."""
+        marker = f"{self._prefix}:idx:format"
+        if await self._r.get(marker) == _FORMAT.encode():
+            return
+        head = f"{self._prefix}:idx:"
+        legacy: dict[int, list[str]] = {}
+        async for raw in self._r.scan_iter(f"{head}*:b:*", count=1000):
+            key = raw.decode() if isinstance(raw, bytes) else str(raw)
+            name, sep, bucket = key[len(head) :].partition(":b:")
+            if sep and bucket.isdigit() and name.lstrip("-").isdigit():  # not a staged key
+                legacy.setdefault(int(name), []).append(key)
+        for scope, keys in legacy.items():
+            if not await self._r.exists(self._k(scope, "bk")):
+                await self._drop(keys=[*self._fixed(scope), *keys], args=[self._k(scope, "b:")])
+        await self._r.set(marker, _FORMAT)
 
     async def generation(self, scope: int) -> int:
         return int(await self._r.get(self._k(scope, "gen")) or 0)
@@ -141,9 +160,8 @@ class RedisIndex:
         if buckets:
             pipe.expire(f"{stage}:of", _STAGE_TTL_S)
         await pipe.execute()
-        legacy = await self._legacy_keys(scope)
         outcome = await self._swap(
-            keys=[*self._fixed(scope), *legacy],
+            keys=self._fixed(scope),
             args=[
                 self._k(scope, "b:"),
                 "" if generation is None else generation,
@@ -197,8 +215,7 @@ class RedisIndex:
         return bool(await self._r.exists(self._k(scope, "loaded")))
 
     async def drop(self, scope: int) -> None:
-        legacy = await self._legacy_keys(scope)
-        await self._drop(keys=[*self._fixed(scope), *legacy], args=[self._k(scope, "b:")])
+        await self._drop(keys=self._fixed(scope), args=[self._k(scope, "b:")])
 
     async def ping(self) -> bool:
         return bool(await self._r.ping())

@@ -1,0 +1,131 @@
+"""The Redis index never walks the Redis database on a request: plan, commit and select cost the
+same whatever else the db holds. Measured by the commands the service sends (no SCAN or KEYS),
+with 100k unrelated keys in the db; the idempotency records live in the database, not in Redis."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import redis.asyncio as aioredis
+from asgi_lifespan import LifespanManager
+
+from exgrpo_pool.app import create_app
+from exgrpo_pool.index.redis import RedisIndex
+from exgrpo_pool.service.context import Context
+
+from .factories import commit_batch, correct_first, make_groups, ok, plan_batch, setup_pool
+from .harness import ADMIN_TOKEN, Backend, bearer
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis]
+
+UNRELATED = 100_000
+
+
+@contextlib.asynccontextmanager
+async def _serve(backend: Backend) -> AsyncIterator[tuple[httpx.AsyncClient, Context]]:
+    app = create_app(backend.settings())
+    async with (
+        LifespanManager(app, startup_timeout=30, shutdown_timeout=30),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://pool.test",
+            headers=bearer(ADMIN_TOKEN),
+            timeout=60,
+        ) as client,
+    ):
+        yield client, app.state.ctx
+
+
+def _record_commands(ctx: Context) -> list[str]:
+    """The names of the commands the index's Redis client sends from now on (pipelines included)."""
+    sent: list[str] = []
+    client: Any = ctx.index._r  # type: ignore[attr-defined]
+    plain = client.execute_command
+
+    async def execute_command(*args: Any, **kwargs: Any) -> Any:
+        sent.append(str(args[0]).upper())
+        return await plain(*args, **kwargs)
+
+    make_pipeline = client.pipeline
+
+    def pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipe = make_pipeline(*args, **kwargs)
+        queue = pipe.execute_command
+
+        def queued(*a: Any, **kw: Any) -> Any:
+            sent.append(str(a[0]).upper())
+            return queue(*a, **kw)
+
+        pipe.execute_command = queued
+        return pipe
+
+    client.execute_command = execute_command
+    client.pipeline = pipeline
+    return sent
+
+
+@pytest.mark.parametrize("backend", ["postgres-redis"], indirect=True)
+async def test_plan_commit_select_send_no_scan_with_100k_unrelated_keys(
+    backend: Backend, redis_client: redis.Redis
+) -> None:
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(0, UNRELATED, 10_000):
+        pipe.mset({f"{backend.redis_prefix}:unrelated:{j}": "x" for j in range(i, i + 10_000)})
+    pipe.execute()
+    async with _serve(backend) as (client, ctx):
+        await setup_pool(client, questions=64, runs=("r1", "r2"), phase="mixed")
+        sent = _record_commands(ctx)
+        for step in range(3):
+            plan = await plan_batch(client)
+            body = make_groups(plan, correct_first(lambda q: 2))
+            ok(await commit_batch(client, plan, body, **{"Idempotency-Key": f"step-{step}"}))
+        ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 1}))
+        # a scope whose index was dropped (a stale pick, Redis missed a change) and a scope with
+        # no eligible question at all are rebuilt on their next use: still no walk of the db
+        run = ok(await client.get("/v1/pools/p1/runs/r1"))
+        await ctx.index.drop(run["id"])
+        ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 2}))
+        await plan_batch(client, run="r2")
+        ok(await client.post("/v1/pools/p1/runs/r2/select", json={"n": 8, "seed": 3}))
+
+    assert "EVALSHA" in sent and "ZCARD" in sent, sent  # the recording saw the index's traffic
+    assert not {"SCAN", "KEYS"} & set(sent), sorted(set(sent))
+    # idempotency records are kept in the database: Redis holds the index and nothing else
+    ours = {
+        k.decode()
+        for k in redis_client.scan_iter(match=f"{backend.redis_prefix}:*", count=10_000)
+        if b":unrelated:" not in k
+    }
+    assert ours and all(k.startswith(f"{backend.redis_prefix}:idx:") for k in ours), sorted(ours)[:20]
+
+
+@pytest.mark.parametrize("backend", ["postgres-redis"], indirect=True)
+async def test_prepare_drops_bucket_keys_of_the_layout_without_a_bucket_set_once(
+    backend: Backend, redis_client: redis.Redis
+) -> None:
+    p = backend.redis_prefix
+    # scope 7 in the old layout (bucket keys, no `bk` set), scope 8 in today's, one staged key
+    redis_client.zadd(f"{p}:idx:7:b:2", {"5": 5, "6": 6})
+    redis_client.set(f"{p}:idx:7:loaded", "1")
+    redis_client.zadd(f"{p}:idx:-3:b:1", {"9": 9})
+    index = RedisIndex(aioredis.from_url(backend.redis_url or ""), p)
+    try:
+        assert await index.replace(8, {1: [1, 2]})
+        redis_client.zadd(f"{p}:idx:8:stage:abc:b:1", {"3": 3})
+        await index.prepare()
+        assert not redis_client.exists(f"{p}:idx:7:b:2", f"{p}:idx:-3:b:1")
+        assert not await index.is_loaded(7) and await index.sizes(7) == {}
+        assert await index.is_loaded(8) and await index.sizes(8) == {1: 2}
+        assert redis_client.exists(f"{p}:idx:8:stage:abc:b:1")
+        assert redis_client.get(f"{p}:idx:format") == b"2"
+        # the marker makes later start-ups skip the walk: old-layout keys written now stay
+        redis_client.zadd(f"{p}:idx:7:b:2", {"5": 5})
+        await index.prepare()
+        assert redis_client.exists(f"{p}:idx:7:b:2")
+    finally:
+        await index.close()
