@@ -10,6 +10,7 @@ from exgrpo_trainer.algo import LossConfig, token_entropy, token_logprobs
 
 VOCAB, PROMPT_LEN, RESPONSE_LEN, ROWS = 64, 3, 5, 4
 BETA = 0.1
+CAP = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,9 @@ def batch(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         "old_logprobs": current + 0.05 * noise,
         "past_logprobs": current - 1.0 + 0.5 * noise,
         "ref_logprobs": current + 0.2 * noise.flip(0),
+        # an older sampler on the fresh rows: weights b = exp(old - behaviour) between about 0.5 and
+        # 2.3, so the cap of 2 below masks one token
+        "behaviour_logprobs": current + 0.05 * noise - 0.6 * noise.flip(1),
         "advantages": torch.tensor([0.625, 0.625, -0.375, -0.375], dtype=torch.float64),
     }
 
@@ -70,14 +74,20 @@ def _response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor) -> torch
 
 
 def _full_loss(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], *, keep: list[torch.Tensor] | None = None
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    keep: list[torch.Tensor] | None = None,
+    decoupled: bool = False,
 ) -> torch.Tensor:
     logits = _response_logits(model, batch["input_ids"])
     lp = token_logprobs(logits, batch["input_ids"][:, PROMPT_LEN:], chunk_size=7)
     if keep is not None:
         lp.retain_grad()
         keep.append(lp)
-    loss_fn = LossConfig(normalizer=2.0, entropy_coeff=0.05, kl_coeff=0.1, beta=BETA).build()
+    loss_fn = LossConfig(
+        normalizer=2.0, entropy_coeff=0.05, kl_coeff=0.1, beta=BETA, behaviour_weight_cap=CAP
+    ).build()
     loss, _ = loss_fn(
         lp,
         old_logprobs=batch["old_logprobs"],
@@ -87,19 +97,22 @@ def _full_loss(
         replay_mask=batch["replay_mask"],
         entropy=token_entropy(logits, chunk_size=7),
         ref_logprobs=batch["ref_logprobs"],
+        behaviour_logprobs=batch["behaviour_logprobs"] if decoupled else None,
         mixed_phase=True,
     )
     return loss
 
 
+@pytest.mark.parametrize("decoupled", [False, True], ids=["sync", "decoupled"])
 def test_gradient_wrt_token_logprobs_matches_the_closed_form(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], decoupled: bool
 ) -> None:
     """d loss / d lp: -A r / N on fresh tokens, -A beta w / (w + beta)^2 / N on replayed ones
-    (plus the KL term, reproduced here), and exactly 0 on padding."""
+    (plus the KL term, reproduced here), and exactly 0 on padding. Decoupled: fresh tokens get
+    -A b r / N with b = pi_old / pi_behav, and 0 where b is above the cap."""
     kept: list[torch.Tensor] = []
     model.zero_grad()
-    _full_loss(model, batch, keep=kept).backward()
+    _full_loss(model, batch, keep=kept, decoupled=decoupled).backward()
     lp = kept[0].detach()
     grad = kept[0].grad
     assert grad is not None
@@ -107,18 +120,25 @@ def test_gradient_wrt_token_logprobs_matches_the_closed_form(
     mask, replay = batch["loss_mask"], batch["replay_mask"]
     ratio = (lp - batch["old_logprobs"]).exp()
     w = (lp - batch["past_logprobs"]).exp()
-    pg = torch.where(replay, -adv * BETA * w / (w + BETA) ** 2, -adv * ratio) / 2.0
+    b = (batch["old_logprobs"] - batch["behaviour_logprobs"]).exp()
+    if decoupled:
+        assert bool((mask & ~replay & (b > CAP)).any()) and bool((mask & ~replay & (b <= CAP)).any())
+        fresh_weight = torch.where(b > CAP, 0.0, b)
+    else:
+        fresh_weight = torch.ones_like(b)
+    pg = torch.where(replay, -adv * BETA * w / (w + BETA) ** 2, -adv * fresh_weight * ratio) / 2.0
     delta = batch["ref_logprobs"] - lp
     kl = 0.1 * (1.0 - delta.exp()) / mask.sum()  # d/d lp of the k3 estimate, token mean
     expected = torch.where(mask, pg + kl, 0.0)
     torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("decoupled", [False, True], ids=["sync", "decoupled"])
 def test_parameter_gradients_match_central_finite_differences(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], decoupled: bool
 ) -> None:
     model.zero_grad()
-    _full_loss(model, batch).backward()
+    _full_loss(model, batch, decoupled=decoupled).backward()
     params = dict(model.named_parameters())
     probes = [
         ("model.embed_tokens.weight", (int(batch["input_ids"][0, PROMPT_LEN]), 3)),
@@ -140,9 +160,9 @@ def test_parameter_gradients_match_central_finite_differences(
             analytics.append(analytic)
             original = float(param[index])
             param[index] = original + step
-            plus = _full_loss(model, batch).item()
+            plus = _full_loss(model, batch, decoupled=decoupled).item()
             param[index] = original - step
-            minus = _full_loss(model, batch).item()
+            minus = _full_loss(model, batch, decoupled=decoupled).item()
             param[index] = original
             numeric = (plus - minus) / (2 * step)
             assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-10), name

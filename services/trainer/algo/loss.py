@@ -11,6 +11,15 @@ the experience pool):
   the recomputed ``lp_old`` otherwise): ``-A f(w)`` with the policy shaping ``f(w) = w / (w + beta)``,
   no clipping and no cap. Its gradient with respect to ``lp`` is ``-A beta w / (w + beta)^2``.
 
+Asynchronous generation (the sampler runs a policy up to a few versions older than the trainer's)
+uses the *decoupled* objective for fresh tokens when ``behaviour_logprobs`` (the sampler's
+log-probs) are given: ``lp_old`` then plays the proximal policy pi_prox, the ratio and its clip stay
+``r = pi_theta / pi_prox``, and each token loss is multiplied by the detached behaviour weight
+``b = pi_prox / pi_behav``: ``b max(-A r, -A clip(r))`` before the switch, ``-A b r`` after it.
+With ``behaviour_weight_cap`` set, tokens whose ``b`` exceeds the cap are left out of the loss
+(masked, as AReaL does), not truncated to the cap: see `LossConfig.behaviour_weight_cap`.
+Replayed tokens are unchanged.
+
 The policy-gradient term is the plain *sum* of token losses divided by a constant normaliser
 (``L_max * 8`` by default, spec 6.3), so the caller can sum micro-batch gradients and obtain exactly
 the gradient of the whole mini-batch. The entropy bonus (and the optional KL penalty) are token means;
@@ -80,6 +89,16 @@ class LossConfig:
     """Divide advantages by the group's standard deviation (off in ExGRPO; read by the advantage
     computation that feeds this loss)."""
 
+    behaviour_weight_cap: float | None = None
+    """Decoupled objective only (``behaviour_logprobs`` given): fresh tokens whose behaviour weight
+    ``b = pi_prox / pi_behav`` is above this cap are masked out of the policy-gradient sum (weight 0),
+    as AReaL does, rather than truncated to the cap. A token far above the cap was drawn where the
+    sampler gave it much less probability than the proximal policy does (a very stale sampler, or a
+    sampler whose numerics disagree with the trainer's); truncation would keep exactly those tokens
+    at the largest weight of the batch, masking drops them and leaves every other token's weight
+    exact. The share of masked tokens is reported (``actor/behav_capped_frac``). ``None`` (default):
+    no cap. Must be >= 1, so that tokens the sampler and the proximal policy agree on are kept."""
+
     def __post_init__(self) -> None:
         if not 0.0 < self.clip_eps < 1.0:
             raise ValueError(f"clip_eps must lie in (0, 1), got {self.clip_eps!r}")
@@ -97,6 +116,9 @@ class LossConfig:
             raise ValueError(f"entropy_coeff must be >= 0, got {self.entropy_coeff!r}")
         if not self.kl_coeff >= 0.0:
             raise ValueError(f"kl_coeff must be >= 0, got {self.kl_coeff!r}")
+        cap = self.behaviour_weight_cap
+        if cap is not None and not (cap >= 1.0 and math.isfinite(cap)):
+            raise ValueError(f"behaviour_weight_cap must be a finite number >= 1 or None, got {cap!r}")
 
     @property
     def effective_normalizer(self) -> float:
@@ -127,8 +149,12 @@ class ExGRPOLoss:
     Call with tensors of shape ``[B, T]`` (``B`` sequences, ``T`` padded response positions)::
 
         logprobs        [B, T]  log pi_theta(token), with grad (current forward pass)
-        old_logprobs    [B, T]  log pi_old(token) recomputed before the update (no grad)
+        old_logprobs    [B, T]  log pi_old(token) recomputed before the update (no grad); the
+                                proximal policy pi_prox when behaviour_logprobs are given
         past_logprobs   [B, T]  stored behaviour log-probs of replayed tokens, or None if none
+        behaviour_logprobs [B, T]  the sampler's log-probs of fresh tokens (asynchronous mode): fresh
+                                token losses get the detached weight b = pi_prox / pi_behav; None
+                                (default): no weight, exactly the synchronous loss
         advantages      [B] or [B, T]  group-relative advantage, broadcast over tokens when [B]
         loss_mask       [B, T]  response tokens that count (up to and including EOS)
         replay_mask     [B, T]  bool, tokens of a replayed trajectory (None: all fresh)
@@ -139,7 +165,7 @@ class ExGRPOLoss:
 
     Returns ``(loss, metrics)``: the scalar loss ``pg - entropy_coeff * H_mean + kl_coeff * KL_mean``
     with ``pg = sum(token losses) / normalizer``, and float metrics computed without grad.
-    Subclasses change one token rule by overriding `fresh_token_loss` or `shape`.
+    Subclasses change one token rule by overriding `fresh_token_loss`, `behaviour_capped` or `shape`.
     """
 
     def __init__(self, config: LossConfig | None = None) -> None:
@@ -152,6 +178,14 @@ class ExGRPOLoss:
             return unclipped
         clipped = -advantages * ratio.clamp(self.config.clip_low, self.config.clip_high)
         return torch.maximum(unclipped, clipped)
+
+    def behaviour_capped(self, log_weight: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` bool mask of the fresh tokens whose behaviour weight ``b = exp(log_weight)``
+        is above ``behaviour_weight_cap`` (none without a cap); those are masked out of the loss."""
+        cap = self.config.behaviour_weight_cap
+        if cap is None:
+            return torch.zeros_like(fresh)
+        return fresh & (log_weight.exp() > cap)
 
     def shape(self, log_weight: torch.Tensor) -> torch.Tensor:
         """``f(w) = w / (w + beta)`` from ``log w``, evaluated as ``sigmoid(log w - log beta)``."""
@@ -174,6 +208,7 @@ class ExGRPOLoss:
         entropy: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
         num_loss_tokens: float | None = None,
+        behaviour_logprobs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
         shape = logprobs.shape
@@ -186,6 +221,7 @@ class ExGRPOLoss:
             "past_logprobs": past_logprobs,
             "entropy": entropy,
             "ref_logprobs": ref_logprobs,
+            "behaviour_logprobs": behaviour_logprobs,
         }
         for name, tensor in named.items():
             if tensor is not None and tensor.shape != shape:
@@ -223,7 +259,21 @@ class ExGRPOLoss:
         )
         ratio = log_ratio.exp()
         clip = cfg.clip_enabled(mixed_phase)
-        fresh_losses = torch.where(fresh, self.fresh_token_loss(ratio, adv, clip=clip), zero)
+        fresh_token_losses = self.fresh_token_loss(ratio, adv, clip=clip)
+        behaviour_log_weight: torch.Tensor | None = None
+        capped = torch.zeros_like(fresh)
+        if behaviour_logprobs is not None:
+            # Decoupled objective: lp_old is the proximal policy, the sampler's lp the behaviour one.
+            # b = pi_prox / pi_behav is a constant of the step (no gradient), b = 1 exactly when the
+            # two agree, so the product below then equals the synchronous token loss bit for bit.
+            behaviour_log_weight = (
+                torch.where(fresh, old_logprobs.to(dtype) - behaviour_logprobs.to(dtype), zero)
+                .clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+                .detach()
+            )
+            capped = self.behaviour_capped(behaviour_log_weight, fresh)
+            fresh_token_losses = behaviour_log_weight.exp() * fresh_token_losses
+        fresh_losses = torch.where(fresh & ~capped, fresh_token_losses, zero)
         pg_fresh = fresh_losses.sum() / cfg.effective_normalizer
 
         if num_replay > 0:
@@ -266,6 +316,8 @@ class ExGRPOLoss:
             fresh=fresh,
             log_weight=log_weight,
             replay=replay,
+            behaviour_log_weight=behaviour_log_weight,
+            capped=capped,
         )
         return loss, metrics
 
@@ -284,6 +336,8 @@ class ExGRPOLoss:
         fresh: torch.Tensor,
         log_weight: torch.Tensor,
         replay: torch.Tensor,
+        behaviour_log_weight: torch.Tensor | None,
+        capped: torch.Tensor,
     ) -> dict[str, float]:
         cfg = self.config
         # Tokens where the clipped branch is strictly the larger one: its gradient is zero when
@@ -305,6 +359,10 @@ class ExGRPOLoss:
         }
         metrics.update(importance_weight_stats(log_weight, replay, prefix="is/w"))
         metrics["is/fw_mean"] = masked_mean(self.shape(log_weight), replay)
+        if behaviour_log_weight is not None:
+            # the weight b = pi_prox / pi_behav before the cap, over fresh tokens: a staleness signal
+            metrics.update(importance_weight_stats(behaviour_log_weight, fresh, prefix="actor/behav_weight"))
+            metrics["actor/behav_capped_frac"] = masked_mean(capped.to(ratio.dtype), fresh)
         return metrics
 
 
