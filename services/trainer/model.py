@@ -144,21 +144,33 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def publishable_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The full weights as published (on CPU, rank 0; empty elsewhere): a tied LM head is left out,
+    as Hugging Face folders store it. Collective."""
+    state = full_state_dict(model)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return {k: v.contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")}
+
+
+def write_model_files(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+    """The Hugging Face folder's files other than the weights: config, generation config, tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "exgrpo.json").write_text(json.dumps({"source": "exgrpo-trainer"}))
+
+
 def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
     """Write a Hugging Face folder (safetensors) of the current weights. Collective."""
-    state = full_state_dict(model)
+    tensors = publishable_state(model)
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)
         from safetensors.torch import save_file
 
-        tied = getattr(model.config, "tie_word_embeddings", False)
-        tensors = {k: v.contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")}
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        model.config.save_pretrained(out)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        (out / "exgrpo.json").write_text(json.dumps({"source": "exgrpo-trainer"}))
+        write_model_files(model, tokenizer, out)
     dist.barrier()
 
 

@@ -14,6 +14,8 @@ completions carry empty `logprobs` and no `entropies`.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -96,10 +98,48 @@ class TransformersEngine:
         return next(self.model.parameters()).device
 
     def load_weights(self, path: str) -> None:
-        from transformers import AutoModelForCausalLM
+        """Load a Hugging Face folder (or one safetensors file): its safetensors files are mapped and
+        copied into the model (`load_state_dict`); a folder without them goes through
+        `from_pretrained`."""
+        from exgrpo_rollout.engines.vllm_ext import safetensors_files
 
-        fresh = AutoModelForCausalLM.from_pretrained(path, dtype=next(self.model.parameters()).dtype)
-        self.model.load_state_dict(fresh.state_dict())
+        try:
+            files = safetensors_files(path)
+        except FileNotFoundError:
+            if not Path(path).is_dir():
+                raise
+            from transformers import AutoModelForCausalLM
+
+            fresh = AutoModelForCausalLM.from_pretrained(path, dtype=next(self.model.parameters()).dtype)
+            self.model.load_state_dict(fresh.state_dict())
+            return
+        from safetensors.torch import load_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(str(f), device="cpu"))
+        self.load_state_dict(tensors)
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy named tensors (Hugging Face names, any floating dtype) into the model's weights, in
+        place. Every weight must be given, except an LM head tied to the input embedding."""
+        own = self.model.state_dict()
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        missing = [k for k in own if k not in tensors and not (tied and k == "lm_head.weight")]
+        unexpected = [k for k in tensors if k not in own]
+        wrong = [
+            f"{k} {tuple(t.shape)} != {tuple(own[k].shape)}"
+            for k, t in tensors.items()
+            if k in own and t.shape != own[k].shape
+        ]
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"policy weights do not match the engine's model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}, shapes {wrong[:5]}"
+            )
+        with torch.no_grad():
+            for k, t in tensors.items():
+                own[k].copy_(t)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
