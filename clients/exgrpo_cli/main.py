@@ -345,12 +345,18 @@ def prepare(
 @friendly_errors
 def experiment(
     out: Annotated[Path, typer.Option(help="Experiment folder.")] = Path("exgrpo-data/experiment"),
-    seeds: Annotated[int, typer.Option(min=1, help="Seeds per arm (0..N-1).")] = 3,
+    seeds: Annotated[
+        str, typer.Option(help="Seeds of every arm: N (0..N-1), a list 3,4,5 or a range 10-14.")
+    ] = "3",
+    family: Annotated[
+        str | None,
+        typer.Option(help="Synthetic task family of every run: arithmetic (default) or calibrated."),
+    ] = None,
     arms: Annotated[
         str,
         typer.Option(
             help="Comma-separated arms: grpo, exgrpo, choice-random, buckets-uniform, "
-            "ratio-0.25, ratio-0.75, no-delayed-start, delayed-start-0.6 (default: all)."
+            "ratio-0.25, ratio-0.75, no-delayed-start, delayed-start-0.6, shaping-beta-1 (default: all)."
         ),
     ] = "all",
     rollouts: Annotated[int, typer.Option(min=1, help="Rollout budget of every run.")] = 7680,
@@ -373,13 +379,14 @@ def experiment(
         raise ValueError(
             "the experiment needs the train extra: pip install 'exgrpo-stack[server,train,rollout]'"
         )
-    from exgrpo_onebox.experiment import ARM_NAMES, ExperimentOptions, run_experiment
+    from exgrpo_onebox.experiment import ARM_NAMES, ExperimentOptions, parse_seeds, run_experiment
 
     chosen = ARM_NAMES if arms == "all" else tuple(a.strip() for a in arms.split(",") if a.strip())
     run_experiment(
         ExperimentOptions(
             out=out,
-            seeds=seeds,
+            seeds=parse_seeds(seeds),
+            family=family,
             arms=chosen,
             rollouts=rollouts,
             heldout=heldout,

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from exgrpo_client import PoolConfig
+from exgrpo_onebox.synthetic import get_family
 from exgrpo_rollout.engines.base import SamplingConfig
 from exgrpo_trainer import TrainConfig, apply_overrides
 
@@ -66,6 +67,15 @@ class JobSection(BaseModel):
     rollouts: int | None = Field(None, ge=1)
     """Rollout budget (`--rollouts`): the run ends on the step that reaches it, and run.steps defaults
     to just past it."""
+    family: str = "arithmetic"
+    """Synthetic task family of the training and held-out questions (`exgrpo_onebox.synthetic.FAMILIES`):
+    `arithmetic` or `calibrated`; not used with --data."""
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, value: str) -> str:
+        get_family(value)  # ValueError naming the known families
+        return value
 
 
 class OneBoxConfig(TrainConfig):

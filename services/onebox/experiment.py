@@ -77,14 +77,42 @@ ARMS: tuple[Arm, ...] = (
         {"experience": {"start_threshold": 0.6}},
         "ExGRPO, switch when a batch solves > 60%",
     ),
+    Arm("shaping-beta-1", {"loss": {"beta": 1.0}}, "ExGRPO, policy shaping beta 1.0 instead of 0.1"),
 )
 ARM_NAMES = tuple(a.name for a in ARMS)
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """Seeds from the command line: ``N`` (N seeds, 0..N-1), a list ``3,4,5``, a range ``10-14``
+    (inclusive), or a mix ``0,5-7``. ValueError on anything else, repeats included."""
+    text = text.strip()
+    if text.isdigit():
+        n = int(text)
+        if n < 1:
+            raise ValueError("--seeds: give at least one seed")
+        return tuple(range(n))
+    seeds: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"--seeds {text!r}: expected N, a list like 3,4,5 or a range like 10-14")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"--seeds {text!r}: range {part} is empty")
+        seeds.extend(range(first, last + 1))
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {text!r}: a seed is given twice")
+    return tuple(seeds)
 
 
 @dataclass
 class ExperimentOptions:
     out: Path = Path("exgrpo-data/experiment")
-    seeds: int = 3
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """The seeds of every arm (`parse_seeds` reads the command line's)."""
+    family: str | None = None
+    """Synthetic task family of every run (`job.family`); None: the recipe's (arithmetic)."""
     arms: tuple[str, ...] = ARM_NAMES
     rollouts: int = 7680
     """Rollout budget of every run (default: 60 steps of GRPO at K = 8, B = 16)."""
@@ -103,13 +131,16 @@ def _run_dir(out: Path, arm: str, seed: int) -> Path:
 
 def run_options(arm: Arm, seed: int, opts: ExperimentOptions) -> MainJobOptions:
     """The main job of one arm and seed."""
+    settings: dict[str, Any] = dict(arm.settings)
+    if opts.family is not None:
+        settings["job"] = {**dict(settings.get("job") or {}), "family": opts.family}
     return MainJobOptions(
         quick=opts.quick,
         out=_run_dir(opts.out, arm.name, seed),
         seed=seed,
         heldout=opts.heldout,
         rollouts=opts.rollouts,
-        settings=arm.settings,
+        settings=settings,
         overrides=list(opts.overrides),
     )
 
@@ -154,26 +185,28 @@ def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> P
     unknown = [a for a in opts.arms if a not in ARM_NAMES]
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARM_NAMES)}")
-    if opts.seeds < 1 or opts.jobs < 1 or opts.rollouts < 1:
-        raise ValueError("--seeds, --jobs and --rollouts must be positive")
+    if not opts.seeds or any(s < 0 for s in opts.seeds) or len(set(opts.seeds)) != len(opts.seeds):
+        raise ValueError(f"--seeds: give distinct seeds >= 0, got {list(opts.seeds)}")
+    if opts.jobs < 1 or opts.rollouts < 1:
+        raise ValueError("--jobs and --rollouts must be positive")
     arms = [a for a in ARMS if a.name in opts.arms]
     for arm in arms:
-        resolve(run_options(arm, 0, opts))  # bad settings fail before the first run
+        resolve(run_options(arm, opts.seeds[0], opts))  # bad settings fail before the first run
     opts.out.mkdir(parents=True, exist_ok=True)
     todo = [
         (arm, seed)
-        for seed in range(opts.seeds)
+        for seed in opts.seeds
         for arm in arms
         if not (_run_dir(opts.out, arm.name, seed) / "summary.json").exists()
     ]
-    total = len(arms) * opts.seeds
+    total = len(arms) * len(opts.seeds)
     failed: list[str] = []
     if not opts.report_only and todo:
         # build the cached warm-started model once, before parallel runs would race to build it
         one_thread_on_small_boxes()
         warm_started_model(MainJobOptions(quick=opts.quick), console)
         console.print(
-            f"experiment: {len(todo)} of {total} runs to do ({len(arms)} arms x {opts.seeds} seeds), "
+            f"experiment: {len(todo)} of {total} runs to do ({len(arms)} arms x {len(opts.seeds)} seeds), "
             f"{opts.rollouts} rollouts each, {opts.jobs} at a time -> {opts.out}"
         )
         done = total - len(todo)
@@ -238,9 +271,9 @@ class RunResult:
         return next((int(m["step"]) for m in self.metrics if m.get("phase/switched")), None)
 
 
-def load_runs(out: Path, arm: str, seeds: int) -> list[RunResult]:
+def load_runs(out: Path, arm: str, seeds: Sequence[int]) -> list[RunResult]:
     runs = []
-    for seed in range(seeds):
+    for seed in seeds:
         folder = _run_dir(out, arm, seed)
         if not (folder / "summary.json").exists():
             continue
@@ -248,7 +281,7 @@ def load_runs(out: Path, arm: str, seeds: int) -> list[RunResult]:
     return runs
 
 
-def summarize(out: Path, arms: Sequence[Arm], seeds: int) -> dict[str, Any]:
+def summarize(out: Path, arms: Sequence[Arm], seeds: Sequence[int]) -> dict[str, Any]:
     """Per arm: held-out accuracy at each evaluation point (equal rollout counts across arms) and at
     the end, mean/std/min/max over seeds, and the per-seed paired differences to GRPO and (for the
     ablations) to ExGRPO. `late` is each run's mean over its last three evaluations (less sampling
@@ -395,7 +428,7 @@ def _plots(out: Path, table: dict[str, Any], runs: dict[str, list[RunResult]]) -
     return made
 
 
-def write_results(out: Path, arms: Sequence[Arm], seeds: int) -> Path:
+def write_results(out: Path, arms: Sequence[Arm], seeds: Sequence[int]) -> Path:
     table = summarize(out, arms, seeds)
     (out / "results.json").write_text(json.dumps(table, indent=2) + "\n")
     runs = {name: load_runs(out, name, seeds) for name in table}

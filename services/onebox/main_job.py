@@ -201,14 +201,16 @@ def _prepare_data(
     data_dir = cfg.run.output_dir / "data"
     data_dir.mkdir(exist_ok=True)
     if data is None:
-        train, heldout = make_splits(sizes.train_questions, sizes.heldout_questions, seed=cfg.run.seed)
+        train, heldout = make_splits(
+            sizes.train_questions, sizes.heldout_questions, seed=cfg.run.seed, family=sizes.family
+        )
         train_path = write_parquet(
             data_dir / "train.parquet", [p.to_row(i, "train") for i, p in enumerate(train)]
         )
         held_path = write_parquet(
             data_dir / "heldout.parquet", [p.to_row(i, "heldout") for i, p in enumerate(heldout)]
         )
-        source = "synthetic arithmetic"
+        source = "synthetic arithmetic" if sizes.family == "arithmetic" else f"synthetic {sizes.family}"
         questions = [q for batch in read_questions(train_path) for q in batch]
         rows = load_rows(held_path)
     else:

@@ -68,7 +68,7 @@ def prepare_service(client: Client, opts: MainJobOptions, model_out: Path) -> Pr
     from exgrpo_onebox.warmstart import prepare_model  # torch and transformers: only when run
 
     model = prepare_model(model_out, seed=0, quick=opts.quick)
-    problems = make_problems(cfg.job.train_questions, cfg.run.seed, split="train")
+    problems = make_problems(cfg.job.train_questions, cfg.run.seed, split="train", family=cfg.job.family)
     questions = [question_from_row(p.to_row(i, "train")) for i, p in enumerate(problems)]
     prepare_pool(client, cfg, questions, SOURCE)
     pool = client.get_pool(cfg.run.pool)

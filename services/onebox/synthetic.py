@@ -21,6 +21,13 @@ by a hash of its expression (`is_heldout`, about a quarter held out). Training q
 supervised traces are drawn from the training partition and evaluation problems from the held-out
 one, so no held-out expression is ever trained on, whatever the sizes and seeds of the sets.
 
+Task families (`FAMILIES`): ``arithmetic`` (levels 1-5 above, `LEVELS`) and ``calibrated``
+(`CALIBRATED_LEVELS`): longer chains over the same table of facts, whose mix (`CALIBRATED_MIX`) is
+chosen so that the main job's warm-started model solves a small share of the training questions at
+the start of a run and the per-question solve rates spread over the whole range (see
+`exgrpo_onebox.calibrate`, which measures the starting solve rate per level and picks the mix).
+Functions that draw problems take `family=`; a family's data sources are ``<prefix>_d<level>``.
+
 Questions are written in the verl/ExGRPO parquet layout of the evaluation files: ``prompt`` (a list
 of ``{role, content}`` messages), ``reward_model`` (``{ground_truth, style="rule"}``),
 ``data_source`` (``arith_d<level>``), ``ability`` and ``extra_info`` (``{index, split}``).
@@ -40,14 +47,19 @@ import pyarrow.parquet as pq
 
 __all__ = [
     "ABILITY",
+    "CALIBRATED_LEVELS",
+    "CALIBRATED_MIX",
     "DEFAULT_MIX",
+    "FAMILIES",
     "HELDOUT_SHARE",
     "LEVELS",
+    "Family",
     "Level",
     "Mix",
     "Problem",
     "Split",
     "direct_response",
+    "get_family",
     "is_heldout",
     "make_problems",
     "make_questions",
@@ -92,6 +104,44 @@ solves a level-n problem with about p**n. Level 5 adds larger numbers (values up
 DEFAULT_MIX: dict[int, float] = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}
 """Equal shares of levels 1-4."""
 
+CALIBRATED_LEVELS: dict[int, Level] = {
+    level: Level(num_ops=ops, max_operand=9, max_value=20, max_factor=3)
+    for level, ops in {1: 3, 2: 4, 3: 5, 4: 6, 5: 7}.items()
+}
+"""Levels of the calibrated family: chains of 3, 4, 5, 6 and 7 operations over the facts of levels
+1-4 (values up to 20, operands up to 9), so every step is one the warm start was trained on and
+difficulty comes from the length of the chain (the warm start saw chains of at most 5)."""
+
+CALIBRATED_MIX: dict[int, float] = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}
+"""The calibrated family's mix, picked by `exgrpo_onebox.calibrate` from the measured starting solve
+rates of the main job's warm start (see docs/results.md, "Calibrated setting")."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """A task family: its difficulty levels, default mix and data-source prefix."""
+
+    name: str
+    levels: Mapping[int, Level]
+    mix: Mapping[int, float]
+    prefix: str
+    """Data sources are ``<prefix>_d<level>``."""
+
+
+FAMILIES: dict[str, Family] = {
+    "arithmetic": Family("arithmetic", LEVELS, DEFAULT_MIX, "arith"),
+    "calibrated": Family("calibrated", CALIBRATED_LEVELS, CALIBRATED_MIX, "calib"),
+}
+"""Task families by name (`job.family` of the one-box job, `exgrpo experiment --family`)."""
+
+
+def get_family(name: str) -> Family:
+    """The family called `name`; ValueError naming the known ones otherwise."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown task family {name!r}: use one of {', '.join(FAMILIES)}") from None
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -100,6 +150,7 @@ class Problem:
     steps: tuple[tuple[int, str, int, int], ...]
     """(left, op, right, result) per operation, in evaluation order."""
     difficulty: int
+    family: str = "arithmetic"
 
     @property
     def answer(self) -> int:
@@ -107,7 +158,7 @@ class Problem:
 
     @property
     def data_source(self) -> str:
-        return f"arith_d{self.difficulty}"
+        return f"{FAMILIES[self.family].prefix}_d{self.difficulty}"
 
     def to_row(self, index: int, split: str) -> dict[str, Any]:
         """The question as one row of the verl/ExGRPO parquet layout."""
@@ -158,8 +209,8 @@ def _draw_step(rng: random.Random, value: int, level: Level) -> tuple[str, int, 
         choices.remove(op)  # + fits unless value == max_value, - unless value == 1
 
 
-def _draw(rng: random.Random, difficulty: int) -> Problem:
-    level = LEVELS[difficulty]
+def _draw(rng: random.Random, difficulty: int, family: Family) -> Problem:
+    level = family.levels[difficulty]
     value = rng.randint(1, level.max_value)
     expr = str(value)
     loose = False  # the expression so far ends in + or - at its top level
@@ -172,30 +223,32 @@ def _draw(rng: random.Random, difficulty: int) -> Problem:
         loose = op in "+-"
         steps.append((value, op, b, result))
         value = result
-    return Problem(expression=expr, steps=tuple(steps), difficulty=difficulty)
+    return Problem(expression=expr, steps=tuple(steps), difficulty=difficulty, family=family.name)
 
 
-def _draw_in(rng: random.Random, difficulty: int, split: Split | None) -> Problem:
+def _draw_in(rng: random.Random, difficulty: int, split: Split | None, family: Family) -> Problem:
     """A problem of the level from one partition (None: either)."""
     while True:
-        p = _draw(rng, difficulty)
+        p = _draw(rng, difficulty, family)
         if split is None or is_heldout(p.expression) == (split == "heldout"):
             return p
 
 
-def parse_mix(mix: Mix) -> dict[int, float]:
-    """A difficulty mix as {level: weight} (positive weights only, level order)."""
+def parse_mix(mix: Mix, family: str = "arithmetic") -> dict[int, float]:
+    """A difficulty mix of the family as {level: weight} (positive weights only, level order); None:
+    the family's default mix."""
+    fam = get_family(family)
     if mix is None:
-        out = dict(DEFAULT_MIX)
+        out = dict(fam.mix)
     elif isinstance(mix, int):
         out = {mix: 1.0}
     elif isinstance(mix, Mapping):
         out = {int(k): float(v) for k, v in mix.items()}
     else:
         out = {int(k): 1.0 for k in mix}
-    unknown = sorted(k for k in out if k not in LEVELS)
+    unknown = sorted(k for k in out if k not in fam.levels)
     if unknown:
-        raise ValueError(f"unknown difficulty levels {unknown}: use levels {sorted(LEVELS)}")
+        raise ValueError(f"unknown difficulty levels {unknown}: use levels {sorted(fam.levels)}")
     if any(w < 0 for w in out.values()) or sum(out.values()) <= 0:
         raise ValueError(f"difficulty weights must be >= 0 with a positive sum, got {out}")
     return {k: w for k, w in sorted(out.items()) if w > 0}
@@ -212,18 +265,19 @@ def _quotas(n: int, mix: dict[int, float]) -> dict[int, int]:
 
 
 def problem_stream(
-    seed: int, mix: Mix = None, *, split: Split | None = "train", run: int = 1
+    seed: int, mix: Mix = None, *, split: Split | None = "train", run: int = 1, family: str = "arithmetic"
 ) -> Iterator[Problem]:
     """An endless stream of problems of one partition (None: both), levels drawn from `mix`.
     Repeats are possible; deterministic in `seed`. With `run` > 1 the level is drawn once per `run`
     consecutive problems."""
-    weights = parse_mix(mix)
+    weights = parse_mix(mix, family)
+    fam = get_family(family)
     levels, probs = list(weights), list(weights.values())
-    rng = random.Random(f"stream-{seed}")
+    rng = random.Random(f"stream-{seed}" if family == "arithmetic" else f"stream-{family}-{seed}")
     while True:
         level = rng.choices(levels, probs)[0]
         for _ in range(run):
-            yield _draw_in(rng, level, split)
+            yield _draw_in(rng, level, split, fam)
 
 
 def make_problems(
@@ -234,6 +288,7 @@ def make_problems(
     split: Split | None = "train",
     exclude: Iterable[str] = (),
     max_repeats: int = 200,
+    family: str = "arithmetic",
 ) -> list[Problem]:
     """`n` distinct problems of one partition (None: both), shuffled, per-level counts in the
     proportions of `mix`, none with an expression in `exclude`. Deterministic in the arguments.
@@ -243,10 +298,13 @@ def make_problems(
     the next level of the mix (the last level to the one before it)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    weights = parse_mix(mix)
+    weights = parse_mix(mix, family)
+    fam = get_family(family)
     quotas = _quotas(n, weights)
     levels = list(weights)
-    rng = random.Random(f"problems-{seed}-{split}")
+    rng = random.Random(
+        f"problems-{seed}-{split}" if family == "arithmetic" else f"problems-{family}-{seed}-{split}"
+    )
     seen = set(exclude)
     out: list[Problem] = []
     exhausted: set[int] = set()
@@ -256,7 +314,7 @@ def make_problems(
         quotas[level] = 0
         repeats = 0
         while want > 0 and level not in exhausted:
-            p = _draw_in(rng, level, split)
+            p = _draw_in(rng, level, split, fam)
             if p.expression in seen:
                 repeats += 1
                 if repeats >= max_repeats:
@@ -276,22 +334,34 @@ def make_problems(
 
 
 def make_questions(
-    n: int, seed: int = 0, mix: Mix = None, *, split: Split = "train", exclude: Iterable[str] = ()
+    n: int,
+    seed: int = 0,
+    mix: Mix = None,
+    *,
+    split: Split = "train",
+    exclude: Iterable[str] = (),
+    family: str = "arithmetic",
 ) -> list[dict[str, Any]]:
     """`n` distinct questions of one partition as rows of the verl/ExGRPO parquet layout
     (`extra_info.split` names the partition); see `make_problems`."""
-    return [
-        p.to_row(i, split) for i, p in enumerate(make_problems(n, seed, mix, split=split, exclude=exclude))
-    ]
+    problems = make_problems(n, seed, mix, split=split, exclude=exclude, family=family)
+    return [p.to_row(i, split) for i, p in enumerate(problems)]
 
 
 def make_splits(
-    num_train: int, num_heldout: int, seed: int = 0, mix: Mix = None, *, heldout_mix: Mix = None
+    num_train: int,
+    num_heldout: int,
+    seed: int = 0,
+    mix: Mix = None,
+    *,
+    heldout_mix: Mix = None,
+    family: str = "arithmetic",
 ) -> tuple[list[Problem], list[Problem]]:
     """A training set (levels from `mix`) and a held-out set (levels from `heldout_mix`, default
     `mix`), from the two partitions: they never share an expression."""
-    train = make_problems(num_train, seed, mix, split="train")
-    heldout = make_problems(num_heldout, seed, mix if heldout_mix is None else heldout_mix, split="heldout")
+    train = make_problems(num_train, seed, mix, split="train", family=family)
+    held_mix = mix if heldout_mix is None else heldout_mix
+    heldout = make_problems(num_heldout, seed, held_mix, split="heldout", family=family)
     return train, heldout
 
 

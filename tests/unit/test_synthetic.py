@@ -13,8 +13,12 @@ from shared_data import VALID, needs
 
 from exgrpo_client.io import read_questions
 from exgrpo_onebox.synthetic import (
+    CALIBRATED_LEVELS,
+    CALIBRATED_MIX,
+    FAMILIES,
     LEVELS,
     Problem,
+    get_family,
     is_heldout,
     make_problems,
     make_questions,
@@ -141,3 +145,65 @@ def test_parquet_columns_match_the_exgrpo_files(tmp_path: Path) -> None:
     path = write_parquet(tmp_path / "q.parquet", make_questions(3))
     ours, theirs = pq.read_schema(path), pq.read_schema(VALID)
     assert {f.name: f.type for f in ours} == {f.name: f.type for f in theirs}
+
+
+# ------------------------------------------------------------------------- the calibrated family
+def test_calibrated_family_is_deterministic_and_differs_from_arithmetic() -> None:
+    a = make_problems(50, seed=3, family="calibrated")
+    assert a == make_problems(50, seed=3, family="calibrated")
+    assert [p.expression for p in a] != [p.expression for p in make_problems(50, seed=4, family="calibrated")]
+    s1, s2 = problem_stream(5, family="calibrated"), problem_stream(5, family="calibrated")
+    assert [next(s1) for _ in range(30)] == [next(s2) for _ in range(30)]
+    # the arithmetic family draws exactly what it drew before families existed
+    assert make_problems(50, seed=3) == make_problems(50, seed=3, family="arithmetic")
+    assert all(p.family == "arithmetic" and p.data_source.startswith("arith_d") for p in make_problems(9))
+
+
+@pytest.mark.parametrize("level", sorted(CALIBRATED_LEVELS))
+def test_calibrated_levels_chain_the_known_facts(level: int) -> None:
+    spec = CALIBRATED_LEVELS[level]
+    problems = make_problems(30, seed=1, mix=level, family="calibrated")
+    assert len({p.expression for p in problems}) == 30
+    for p in problems:
+        assert p.family == "calibrated" and p.data_source == f"calib_d{level}"
+        assert len(p.steps) == spec.num_ops
+        assert _value(p) == p.answer, p.expression
+        for a, op, b, c in p.steps:
+            assert c == {"+": a + b, "-": a - b, "*": a * b}[op] and 0 <= c <= 20
+            assert (2 <= b <= 3) if op == "*" else (1 <= b <= 9)
+    # difficulty is the chain length: 3..7 operations, one more per level
+    assert [CALIBRATED_LEVELS[k].num_ops for k in sorted(CALIBRATED_LEVELS)] == [3, 4, 5, 6, 7]
+
+
+def test_calibrated_mix_sets_the_level_distribution() -> None:
+    problems = make_problems(400, seed=0, family="calibrated")
+    counts = Counter(p.difficulty for p in problems)
+    total = sum(CALIBRATED_MIX.values())
+    for level, weight in CALIBRATED_MIX.items():
+        assert abs(counts[level] - 400 * weight / total) <= 1
+    assert set(counts) == set(CALIBRATED_MIX)
+    assert parse_mix(None, "calibrated") == {k: float(v) for k, v in CALIBRATED_MIX.items()}
+    with pytest.raises(ValueError, match="unknown difficulty"):
+        parse_mix({6: 1.0}, "calibrated")
+    with pytest.raises(ValueError, match="unknown task family 'geometry'"):
+        get_family("geometry")
+    assert set(FAMILIES) == {"arithmetic", "calibrated"}
+
+
+def test_calibrated_train_and_heldout_never_overlap() -> None:
+    train, heldout = make_splits(500, 200, seed=0, family="calibrated")
+    assert len(train) == 500 and len(heldout) == 200
+    assert not {p.expression for p in train} & {p.expression for p in heldout}
+    assert all(is_heldout(p.expression) for p in heldout)
+    assert not any(is_heldout(p.expression) for p in train)
+
+
+@pytest.mark.parametrize("grader", ["arithmetic", "math_think"])
+def test_calibrated_reference_solutions_grade_one(grader: str) -> None:
+    for p in make_problems(25, seed=2, family="calibrated"):
+        response = reference_response(p)
+        assert grade_one(grader, response + "<|eos|>", str(p.answer), timeout_s=None).reward == 1.0
+        wrong = response.replace(f"\\boxed{{{p.answer}}}", f"\\boxed{{{p.answer + 1}}}")
+        assert grade_one(grader, wrong, str(p.answer), timeout_s=None).reward == 0.0
+    row = make_questions(1, seed=0, family="calibrated")[0]
+    assert row["data_source"].startswith("calib_d") and row["ability"] == "arithmetic"
