@@ -61,4 +61,15 @@ class Metrics:
         )
         self.tasks_completed = Counter("exgrpo_tasks_completed_total", "Tasks completed.", registry=r)
         self.tasks_failed = Counter("exgrpo_tasks_failed_total", "Task failures reported.", registry=r)
+        self.tasks_claimed = Counter(
+            "exgrpo_tasks_claimed_total",
+            "Tasks handed to workers, by run and by claim (one run's, or the pool-wide claim).",
+            ["pool", "run", "claim"],
+            registry=r,
+        )
+        self.task_version_refusals = Counter(
+            "exgrpo_task_version_refusals_total",
+            "Completions refused because their rollouts came from a policy version the task does not allow.",
+            registry=r,
+        )
         self.index_rebuilds = Counter("exgrpo_index_rebuilds_total", "Index rebuilds.", registry=r)

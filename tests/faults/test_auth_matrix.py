@@ -86,6 +86,10 @@ VALID: dict[tuple[str, str], Request] = {
         "/v1/pools/p1/runs/r1/tasks/claim",
         {"worker": "w2"},
     ),
+    ("POST", "/v1/pools/{pool}/tasks/claim"): lambda w: (
+        "/v1/pools/p1/tasks/claim",
+        {"worker": "w3", "runs": ["r1"]},
+    ),
     ("POST", "/v1/pools/{pool}/tasks/{task_id}/renew"): lambda w: (
         f"/v1/pools/p1/tasks/{w.task(0)['id']}/renew",
         {"lease_token": w.task(0)["lease_token"]},

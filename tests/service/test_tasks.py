@@ -276,3 +276,114 @@ async def test_results_of_a_batch_without_tasks(client: httpx.AsyncClient) -> No
     r = await client.get(f"/v1/pools/p1/batches/{plan['id']}/results")
     assert r.status_code == 409 and "create_tasks" in r.json()["detail"]
     assert (await _status(client, plan))["num_tasks"] == 0
+
+
+# ------------------------------------------------------------------ policy versions and sampling
+SAMPLING = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 256, "min_tokens": 2}
+
+
+async def _publish(client: httpx.AsyncClient, *versions: int) -> None:
+    for v in versions:
+        body = {"version": v, "uri": f"file:///ckpt/r1/v{v}", "step": v}
+        ok(await client.post("/v1/pools/p1/runs/r1/policy-versions", json=body), 201)
+
+
+async def _complete_as(
+    client: httpx.AsyncClient, task: dict[str, Any], version: int | None
+) -> httpx.Response:
+    body: dict[str, Any] = {"lease_token": task["lease_token"], "rollouts": _rollouts(task)}
+    if version is not None:
+        body["policy_version"] = version
+    return await client.post(f"/v1/pools/p1/tasks/{task['id']}/complete", json=body)
+
+
+async def test_tasks_carry_the_planned_version_and_sampling(client: httpx.AsyncClient) -> None:
+    await setup_pool(client, questions=24)
+    await _publish(client, 0, 1, 2)
+    plan = await plan_batch(client, create_tasks=True, policy_version=1, sampling=SAMPLING)
+    assert plan["policy_version"] == 1
+    tasks = await _claim(client, "w", 100)
+    assert len(tasks) == B
+    for t in tasks:
+        assert (t["policy_version"], t["policy_exact"], t["policy_uri"]) == (1, True, "file:///ckpt/r1/v1")
+        assert t["sampling"] == SAMPLING
+    # renew and fail answer the same settings
+    renewed = ok(
+        await client.post(
+            f"/v1/pools/p1/tasks/{tasks[0]['id']}/renew", json={"lease_token": tasks[0]["lease_token"]}
+        )
+    )
+    assert renewed["sampling"] == SAMPLING and renewed["policy_uri"] == "file:///ckpt/r1/v1"
+
+
+async def test_plan_version_rules(client: httpx.AsyncClient) -> None:
+    await setup_pool(client, questions=24)
+    url = "/v1/pools/p1/runs/r1/batches"
+    # nothing published: a named version is refused, the default plans with the run's version
+    r = await client.post(url, json={"create_tasks": True, "policy_version": 0})
+    assert r.status_code == 409 and "no published policy version 0" in r.json()["detail"]
+    await _publish(client, 0, 3)
+    r = await client.post(url, json={"create_tasks": True, "policy_version": 2})
+    assert r.status_code == 409 and "published: [0, 3]" in r.json()["detail"]
+    r = await client.post(url, json={"create_tasks": True, "policy_version": 0, "min_policy_version": 1})
+    assert r.status_code == 422 and "min_policy_version 1" in r.json()["detail"]
+    # no batch came of the refused plans
+    assert (await plan_batch(client, create_tasks=True))["policy_version"] == 3  # the newest by default
+
+
+async def test_default_plan_of_an_unpublished_run_has_no_uri(client: httpx.AsyncClient) -> None:
+    await setup_pool(client, questions=24)
+    plan = await plan_batch(client, create_tasks=True)
+    [task] = await _claim(client, "w", 1)
+    assert plan["policy_version"] == 0 and task["policy_version"] == 0
+    assert task["policy_exact"] is True and task["policy_uri"] is None and task["sampling"] is None
+    # an older worker does not name a version: accepted, the task's version recorded
+    ok(await _complete_as(client, task, None))
+    results = ok(await client.get(f"/v1/pools/p1/batches/{plan['id']}/results"))
+    assert [g["policy_version"] for g in results["groups"]] == [0]
+
+
+async def test_exact_task_takes_only_its_version(client: httpx.AsyncClient) -> None:
+    await setup_pool(client, questions=24)
+    await _publish(client, 0, 1, 2)
+    plan = await plan_batch(client, create_tasks=True, policy_version=1)
+    first, second = await _claim(client, "w", 2)
+    for wrong in (0, 2):
+        r = await _complete_as(client, first, wrong)
+        assert r.status_code == 409
+        assert (
+            f"exactly policy version 1, the rollouts were generated with version {wrong}"
+            in r.json()["detail"]
+        )
+    # refused: the task is unchanged (still leased to the worker, nothing stored)
+    status = await _status(client, plan)
+    assert (status["tasks_leased"], status["tasks_completed"]) == (2, 0)
+    done = ok(await _complete_as(client, first, 1))
+    assert done["status"] == "completed"
+    # a retried completion with the same token answers the same, whatever version it names
+    assert ok(await _complete_as(client, first, 1))["status"] == "completed"
+    ok(await _complete_as(client, second, None))
+    results = ok(await client.get(f"/v1/pools/p1/batches/{plan['id']}/results"))
+    assert sorted(g["policy_version"] for g in results["groups"]) == [1, 1]
+    metrics = (await client.get("/metrics")).text
+    assert _metric(metrics, "exgrpo_task_version_refusals_total") == 2
+
+
+async def test_asynchronous_task_takes_its_version_or_newer(client: httpx.AsyncClient) -> None:
+    await setup_pool(client, questions=24)
+    await _publish(client, 0, 1, 2)
+    plan = await plan_batch(
+        client, create_tasks=True, policy_version=2, min_policy_version=1, sampling=SAMPLING
+    )
+    assert plan["policy_version"] == 2
+    tasks = await _claim(client, "w", 3)
+    for t in tasks:
+        assert (t["policy_version"], t["policy_exact"], t["policy_uri"]) == (1, False, "file:///ckpt/r1/v1")
+    r = await _complete_as(client, tasks[0], 0)
+    assert r.status_code == 409 and "policy version 1 or newer" in r.json()["detail"]
+    ok(await _complete_as(client, tasks[0], 1))
+    ok(await _complete_as(client, tasks[1], 2))
+    ok(await _complete_as(client, tasks[2], 7))  # newer than any published: the worker's word
+    results = ok(await client.get(f"/v1/pools/p1/batches/{plan['id']}/results"))
+    by_q = {g["question_id"]: g["policy_version"] for g in results["groups"]}
+    assert [by_q[t["question_id"]] for t in tasks] == [1, 2, 7]

@@ -280,11 +280,56 @@ async def _plan_public(session: AsyncSession, pool: Pool, run: Run, batch: Batch
 
 
 # ------------------------------------------------------------------------------------ plan
+async def _plan_version(session: AsyncSession, run: Run, req: s.BatchCreate) -> int:
+    """The policy version a plan's tasks are generated with: the one it names, which must be
+    published for the run, or the run's newest."""
+    if req.policy_version is None:
+        version = run.policy_version
+    else:
+        version = req.policy_version
+        if await repo.get_policy_version(session, run.id, version) is None:
+            published = [p.version for p in await repo.policy_versions(session, run.id)]
+            raise Conflict(
+                f"run {run.name!r} has no published policy version {version} (published: "
+                f"{published[-20:] or 'none'}); publish it first (POST .../runs/{run.name}/policy-versions)"
+            )
+    if req.min_policy_version is not None and req.min_policy_version > version:
+        raise BadRequest(
+            f"min_policy_version {req.min_policy_version} is above the batch's policy version {version}: "
+            "the oldest version allowed cannot be newer than the one planned with"
+        )
+    return version
+
+
+def _task_rows(
+    batch: Batch, fresh: list[int], picks: list[s.StoredPick], k: int, req: s.BatchCreate
+) -> list[dict[str, object]]:
+    """One generation task per planned question: K samples of a fresh one, K-1 of a replayed one,
+    to be generated with exactly the batch's policy version, or (asynchronous plans) with any
+    published version from `min_policy_version` on, sampled as the plan says."""
+    exact = req.min_policy_version is None
+    common = {
+        "batch_id": batch.id,
+        "run_id": batch.run_id,
+        "policy_version": batch.policy_version if exact else req.min_policy_version,
+        "policy_exact": exact,
+        "sampling": None if req.sampling is None else req.sampling.model_dump(),
+        "status": "pending",
+        "attempts": 0,
+        "created_at": utcnow(),
+        "updated_at": utcnow(),
+    }
+    return [{**common, "question_id": q, "num_samples": k, "replayed": False} for q in fresh] + [
+        {**common, "question_id": p.question_id, "num_samples": k - 1, "replayed": True} for p in picks
+    ]
+
+
 async def plan_batch(
     ctx: Context, pool: Pool, run_name: str, req: s.BatchCreate, lease: LeaseClaim | None = None
 ) -> s.BatchPlan:
     async with ctx.db.write() as session:
         run = await run_for_write(session, pool, run_name, lease)
+        version = await _plan_version(session, run, req)
         step = run.step + 1
         existing = await repo.open_batch(session, run.id, step)
         if existing is not None and not req.replan:
@@ -319,7 +364,7 @@ async def plan_batch(
             step=step,
             status="planned",
             phase=phase,
-            policy_version=run.policy_version,
+            policy_version=version,
             plan=s.StoredPlan(
                 k=rules.k,
                 fresh=fresh,
@@ -334,39 +379,7 @@ async def plan_batch(
         session.add(batch)
         if req.create_tasks:
             await session.flush()
-            await repo.insert_tasks(
-                session,
-                [
-                    {
-                        "batch_id": batch.id,
-                        "run_id": run.id,
-                        "question_id": q,
-                        "num_samples": rules.k,
-                        "replayed": False,
-                        "policy_version": run.policy_version,
-                        "status": "pending",
-                        "attempts": 0,
-                        "created_at": utcnow(),
-                        "updated_at": utcnow(),
-                    }
-                    for q in fresh
-                ]
-                + [
-                    {
-                        "batch_id": batch.id,
-                        "run_id": run.id,
-                        "question_id": p.question_id,
-                        "num_samples": rules.k - 1,
-                        "replayed": True,
-                        "policy_version": run.policy_version,
-                        "status": "pending",
-                        "attempts": 0,
-                        "created_at": utcnow(),
-                        "updated_at": utcnow(),
-                    }
-                    for p in picks
-                ],
-            )
+            await repo.insert_tasks(session, _task_rows(batch, fresh, picks, rules.k, req))
         run.updated_at = utcnow()
         ctx.metrics.batches_planned.labels(pool.name).inc()
         ctx.metrics.replay_picks.labels(pool.name).inc(len(picks))

@@ -16,7 +16,7 @@ from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import Pool, Task, utcnow
 
 
-def _public(t: Task, run_name: str, q: repo.Question) -> s.TaskPublic:
+def _public(t: Task, run_name: str, q: repo.Question, uri: str | None) -> s.TaskPublic:
     return s.TaskPublic(
         id=t.id,
         batch_id=t.batch_id,
@@ -28,11 +28,33 @@ def _public(t: Task, run_name: str, q: repo.Question) -> s.TaskPublic:
         num_samples=t.num_samples,
         replayed=t.replayed,
         policy_version=t.policy_version,
+        policy_exact=t.policy_exact,
+        policy_uri=uri,
+        sampling=None if t.sampling is None else s.SamplingParams.model_validate(t.sampling, strict=False),
         status=t.status,
         attempts=t.attempts,
         lease_token=t.lease_token,
         lease_expires_at=t.lease_expires_at,
     )
+
+
+async def _publics(
+    session: repo.AsyncSession, tasks: list[Task], names: dict[int, str]
+) -> list[s.TaskPublic]:
+    """The answers for tasks, with their prompts and the uri of their policy versions."""
+    questions = await repo.get_questions(session, [t.question_id for t in tasks])
+    uris = await repo.policy_uris(session, [(t.run_id, t.policy_version) for t in tasks])
+    return [
+        _public(t, names[t.run_id], questions[t.question_id], uris.get((t.run_id, t.policy_version)))
+        for t in tasks
+    ]
+
+
+def _claimed(ctx: Context, pool: Pool, run_name: str, how: str, n: int, expired: int) -> None:
+    if n:
+        ctx.metrics.tasks_claimed.labels(pool.name, run_name, how).inc(n)
+    if expired:
+        ctx.metrics.lease_expiries.inc(expired)
 
 
 async def claim(ctx: Context, pool: Pool, run_name: str, req: s.TaskClaim) -> s.TasksPublic:
@@ -42,10 +64,30 @@ async def claim(ctx: Context, pool: Pool, run_name: str, req: s.TaskClaim) -> s.
         tasks, expired = await repo.claim_tasks(
             session, run.id, req.worker, req.max_tasks, expires, lambda: secrets.token_hex(16)
         )
-        questions = await repo.get_questions(session, [t.question_id for t in tasks])
-        out = [_public(t, run.name, questions[t.question_id]) for t in tasks]
-    if expired:
-        ctx.metrics.lease_expiries.inc(expired)
+        out = await _publics(session, tasks, {run.id: run.name})
+    _claimed(ctx, pool, run.name, "run", len(out), expired)
+    return s.TasksPublic(data=out, count=len(out))
+
+
+async def claim_pool(ctx: Context, pool: Pool, req: s.PoolTaskClaim) -> s.TasksPublic:
+    """Tasks of one run of the pool, chosen fairly among the runs with claimable tasks (the
+    fewest live leases first, then the oldest waiting task), all of one policy version, exactness
+    and sampling settings, so a worker generates the whole answer with one loaded policy."""
+    async with ctx.db.write() as session:
+        run_ids: list[int] | None = None
+        if req.runs is not None:
+            found = await repo.run_ids_by_name(session, pool.id, req.runs)
+            missing = sorted(set(req.runs) - set(found))
+            if missing:
+                raise NotFound(f"runs {missing[:20]} do not exist in pool {pool.name!r}")
+            run_ids = list(found.values())
+        expires = utcnow() + timedelta(seconds=req.lease_seconds)
+        tasks, expired = await repo.claim_pool_tasks(
+            session, pool.id, run_ids, req.worker, req.max_tasks, expires, lambda: secrets.token_hex(16)
+        )
+        names = await repo.run_names(session, [t.run_id for t in tasks])
+        out = await _publics(session, tasks, names)
+    _claimed(ctx, pool, out[0].run if out else "", "pool", len(out), expired)
     return s.TasksPublic(data=out, count=len(out))
 
 
@@ -55,6 +97,10 @@ async def _task(session: repo.AsyncSession, pool: Pool, task_id: int) -> tuple[T
     if task is None or run is None or run.pool_id != pool.id:
         raise NotFound(f"task {task_id} does not exist in pool {pool.name!r}")
     return task, run.name
+
+
+async def _one(session: repo.AsyncSession, task: Task, run_name: str) -> s.TaskPublic:
+    return (await _publics(session, [task], {task.run_id: run_name}))[0]
 
 
 def _check_lease(task: Task, token: str) -> None:
@@ -67,23 +113,41 @@ def _check_lease(task: Task, token: str) -> None:
         raise Conflict(f"task {task.id} is {task.status}, not leased")
 
 
+def _version_allowed(task: Task, version: int) -> bool:
+    """An exact task takes rollouts of its version only; another one of any version from its on."""
+    return version == task.policy_version if task.policy_exact else version >= task.policy_version
+
+
+def _version_refusal(task: Task, version: int) -> str:
+    allowed = (
+        f"exactly policy version {task.policy_version}"
+        if task.policy_exact
+        else f"policy version {task.policy_version} or newer"
+    )
+    return (
+        f"task {task.id} must be generated with {allowed}, the rollouts were generated with version "
+        f"{version}; load that version and generate again (the task keeps its lease)"
+    )
+
+
 async def renew(ctx: Context, pool: Pool, task_id: int, req: s.TaskRenew) -> s.TaskPublic:
     async with ctx.db.write() as session:
         task, run_name = await _task(session, pool, task_id)
         _check_lease(task, req.lease_token)
         task.lease_expires_at = utcnow() + timedelta(seconds=req.lease_seconds)
         task.updated_at = utcnow()
-        q = (await repo.get_questions(session, [task.question_id]))[task.question_id]
-        return _public(task, run_name, q)
+        return await _one(session, task, run_name)
 
 
 async def complete(ctx: Context, pool: Pool, task_id: int, req: s.TaskComplete) -> s.TaskPublic:
     async with ctx.db.write() as session:
         task, run_name = await _task(session, pool, task_id)
-        q = (await repo.get_questions(session, [task.question_id]))[task.question_id]
         if task.status == "completed" and task.lease_token == req.lease_token:
-            return _public(task, run_name, q)  # a retried completion
+            return await _one(session, task, run_name)  # a retried completion
         _check_lease(task, req.lease_token)
+        if req.policy_version is not None and not _version_allowed(task, req.policy_version):
+            ctx.metrics.task_version_refusals.inc()
+            raise Conflict(_version_refusal(task, req.policy_version))
         if len(req.rollouts) != task.num_samples:
             raise BadRequest(f"task {task.id} asks for {task.num_samples} samples, got {len(req.rollouts)}")
         for i, r in enumerate(req.rollouts):
@@ -93,9 +157,11 @@ async def complete(ctx: Context, pool: Pool, task_id: int, req: s.TaskComplete) 
                 raise BadRequest(f"rollouts[{i}]: send token ids and log-probs of every generated sample")
         task.status = "completed"
         task.result = [r.model_dump(exclude_none=True) for r in req.rollouts]
+        # an older worker does not say: it generated with the version the task named
+        task.generated_version = task.policy_version if req.policy_version is None else req.policy_version
         task.lease_expires_at = None
         task.updated_at = utcnow()
-        out = _public(task, run_name, q)
+        out = await _one(session, task, run_name)
     ctx.metrics.tasks_completed.inc()
     return out
 
@@ -110,8 +176,7 @@ async def fail(ctx: Context, pool: Pool, task_id: int, req: s.TaskFail) -> s.Tas
         task.lease_token = None
         task.lease_expires_at = None
         task.updated_at = utcnow()
-        q = (await repo.get_questions(session, [task.question_id]))[task.question_id]
-        out = _public(task, run_name, q)
+        out = await _one(session, task, run_name)
     ctx.metrics.tasks_failed.inc()
     return out
 
@@ -154,6 +219,7 @@ async def batch_results(ctx: Context, pool: Pool, batch_id: str, wait: float) ->
             question_id=t.question_id,
             replayed=t.replayed,
             rollouts=[s.RolloutResult.model_validate(r, strict=False) for r in (t.result or [])],
+            policy_version=t.generated_version,
         )
         for t in done
     ]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Select, and_, case, delete, func, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, case, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -476,17 +476,15 @@ async def insert_tasks(session: AsyncSession, rows: list[dict[str, Any]]) -> Non
         await session.execute(_insert(session, Task), rows)
 
 
-async def claim_tasks(
-    session: AsyncSession, run_id: int, worker: str, limit: int, expires_at: datetime, token_factory: Any
-) -> tuple[list[Task], int]:
-    """Lease up to `limit` tasks that are pending or whose lease ran out. Returns the tasks and
-    how many of them were taken over from an expired lease."""
-    now = utcnow()
-    claimable = or_(Task.status == "pending", and_(Task.status == "leased", Task.lease_expires_at < now))
-    stmt = select(Task).where(Task.run_id == run_id, claimable).order_by(Task.id).limit(limit)
-    if session.get_bind().dialect.name == "postgresql":
-        stmt = stmt.with_for_update(skip_locked=True)
-    tasks = list((await session.execute(stmt)).scalars())
+def _claimable(now: datetime) -> ColumnElement[bool]:
+    """Pending, or leased with a lease that ran out."""
+    return or_(Task.status == "pending", and_(Task.status == "leased", Task.lease_expires_at < now))
+
+
+def _lease(
+    tasks: list[Task], worker: str, expires_at: datetime, token_factory: Callable[[], str], now: datetime
+) -> int:
+    """Give `tasks` to `worker`; returns how many were taken over from an expired lease."""
     expired = 0
     for t in tasks:
         if t.status == "leased":
@@ -497,7 +495,81 @@ async def claim_tasks(
         t.lease_expires_at = expires_at
         t.attempts += 1
         t.updated_at = now
-    return tasks, expired
+    return expired
+
+
+def _skip_locked(session: AsyncSession, stmt: Select[Any]) -> Select[Any]:
+    # Postgres: concurrent claimers skip each other's rows instead of waiting on them
+    if session.get_bind().dialect.name == "postgresql":
+        return stmt.with_for_update(skip_locked=True)
+    return stmt
+
+
+async def claim_tasks(
+    session: AsyncSession,
+    run_id: int,
+    worker: str,
+    limit: int,
+    expires_at: datetime,
+    token_factory: Callable[[], str],
+) -> tuple[list[Task], int]:
+    """Lease up to `limit` tasks that are pending or whose lease ran out. Returns the tasks and
+    how many of them were taken over from an expired lease."""
+    now = utcnow()
+    stmt = select(Task).where(Task.run_id == run_id, _claimable(now)).order_by(Task.id).limit(limit)
+    tasks = list((await session.execute(_skip_locked(session, stmt))).scalars())
+    return tasks, _lease(tasks, worker, expires_at, token_factory, now)
+
+
+async def claim_pool_tasks(
+    session: AsyncSession,
+    pool_id: int,
+    run_ids: Sequence[int] | None,
+    worker: str,
+    limit: int,
+    expires_at: datetime,
+    token_factory: Callable[[], str],
+) -> tuple[list[Task], int]:
+    """Lease up to `limit` claimable tasks of ONE run of the pool (of `run_ids` when given), all
+    with the policy version, exactness and sampling settings of that run's oldest claimable task.
+    The run is the one with the fewest live leases, then the one whose oldest claimable task is
+    oldest (lowest id). Returns the tasks and how many were taken over from an expired lease."""
+    now = utcnow()
+    claimable = _claimable(now)
+    leased = func.count().filter(and_(Task.status == "leased", Task.lease_expires_at >= now))
+    oldest = func.min(case((claimable, Task.id)))
+    runs = (
+        select(Task.run_id, oldest)
+        .join(Run, Run.id == Task.run_id)
+        .where(Run.pool_id == pool_id, Task.status.in_(["pending", "leased"]))
+        .group_by(Task.run_id)
+        .having(oldest.is_not(None))
+        .order_by(leased, oldest, Task.run_id)
+    )
+    if run_ids is not None:
+        runs = runs.where(Task.run_id.in_(list(run_ids)))
+    for run_id, first_id in (await session.execute(runs)).all():
+        first = await session.get(Task, first_id)
+        if first is None:
+            continue
+        same_sampling = select(Task.sampling).where(Task.id == first_id).scalar_subquery()
+        stmt = (
+            select(Task)
+            .where(
+                Task.run_id == run_id,
+                claimable,
+                Task.policy_version == first.policy_version,
+                Task.policy_exact == first.policy_exact,
+                # compared as stored (JSON null and SQL NULL alike), not through a bound value
+                Task.sampling.is_not_distinct_from(same_sampling),
+            )
+            .order_by(Task.id)
+            .limit(limit)
+        )
+        tasks = list((await session.execute(_skip_locked(session, stmt))).scalars())
+        if tasks:  # else concurrent claimers took this run's tasks meanwhile: the next run
+            return tasks, _lease(tasks, worker, expires_at, token_factory, now)
+    return [], 0
 
 
 async def get_task(session: AsyncSession, task_id: int, *, lock: bool = False) -> Task | None:
@@ -560,6 +632,24 @@ async def policy_versions(session: AsyncSession, run_id: int) -> list[PolicyVers
 
 async def get_policy_version(session: AsyncSession, run_id: int, version: int) -> PolicyVersion | None:
     return await session.get(PolicyVersion, (run_id, version))
+
+
+async def policy_uris(session: AsyncSession, pairs: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
+    """The uri of each published (run id, version) among `pairs` (unpublished ones are absent)."""
+    wanted = sorted(set(pairs))
+    out: dict[tuple[int, int], str] = {}
+    for run_id in sorted({r for r, _ in wanted}):
+        versions = [v for r, v in wanted if r == run_id]
+        stmt = select(PolicyVersion.version, PolicyVersion.uri).where(
+            PolicyVersion.run_id == run_id, PolicyVersion.version.in_(versions)
+        )
+        out.update({(run_id, int(v)): uri for v, uri in await session.execute(stmt)})
+    return out
+
+
+async def run_ids_by_name(session: AsyncSession, pool_id: int, names: Sequence[str]) -> dict[str, int]:
+    stmt = select(Run.name, Run.id).where(Run.pool_id == pool_id, Run.name.in_(list(set(names))))
+    return {str(n): int(i) for n, i in await session.execute(stmt)}
 
 
 # ------------------------------------------------------------------------------- idempotency

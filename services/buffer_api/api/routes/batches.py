@@ -1,4 +1,5 @@
-"""Batches (plan lives under runs): show, status, commit, results; tasks: renew, complete, fail."""
+"""Batches (plan lives under runs): show, status, commit, results; tasks: the pool-wide claim,
+renew, complete, fail."""
 
 from __future__ import annotations
 
@@ -48,6 +49,16 @@ async def batch_results(
     batch_id: BatchId, pool: ReadPool, ctx: ContextDep, wait: Annotated[float, Query(ge=0, le=300)] = 0.0
 ) -> s.BatchResults:
     return await tasks.batch_results(ctx, pool, batch_id, wait)
+
+
+@router.post("/tasks/claim", response_model=s.TasksPublic)
+async def claim_pool_tasks(
+    body: s.PoolTaskClaim, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
+) -> object:
+    """Claim tasks of any run of the pool (or of `runs`) for a worker fleet shared by runs. One
+    answer holds tasks of one run, all of one policy version and sampling settings; the run is
+    the one with the fewest leased tasks, then the one whose oldest waiting task is oldest."""
+    return await idem.run(lambda: tasks.claim_pool(ctx, pool, body))
 
 
 @router.post("/tasks/{task_id}/renew", response_model=s.TaskPublic)
