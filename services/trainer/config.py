@@ -83,6 +83,17 @@ class RolloutSection(_Section):
     """Remote engine: how long to wait for the workers to complete a batch."""
     max_batch_rows: int = Field(256, ge=1)
     """Sequences generated at once by the colocated engine."""
+    publish: Literal["file", "http", "shm"] = "file"
+    """How published weights reach the rollout workers (`exgrpo_trainer.publisher`): file: a Hugging
+    Face folder under the output folder (workers share the filesystem); http: served from the
+    trainer's memory, no disk (workers on other hosts too when `publish_addr` is routable); shm: a
+    POSIX shared-memory segment (workers on this host). Costs: docs/benchmarks.md."""
+    publish_addr: str = "127.0.0.1"
+    """publish=http: the address the weight server binds (0.0.0.0: every interface, uris then name
+    this host)."""
+    publish_port: int = Field(0, ge=0, le=65535)
+    """publish=http: the weight server's port (0: a free one at start; fix it so that a restarted
+    trainer serves the uris it registered before)."""
 
 
 class ExperienceSection(_Section):

@@ -212,6 +212,12 @@ def _handler(pub: HttpPublisher) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
+        def setup(self) -> None:
+            super().setup()
+            # headers and body go out as two writes: without this, Nagle's algorithm holds the body
+            # until the client's delayed ACK of the headers (~40 ms per request on Linux)
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
         def do_GET(self) -> None:
             parts = [unquote(p) for p in self.path.split("?", 1)[0].strip("/").split("/")]
             if len(parts) < 4 or parts[0] != "policies" or not _is_version(parts[3]):

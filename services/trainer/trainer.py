@@ -30,8 +30,9 @@ from exgrpo_trainer.batch import choose_replays, commit_groups, graded_rows, gra
 from exgrpo_trainer.checkpoint import Checkpointer, RunIdentity
 from exgrpo_trainer.config import TrainConfig
 from exgrpo_trainer.learner import Learner, derived_seed
-from exgrpo_trainer.model import load_tokenizer, save_hf, unsharded
+from exgrpo_trainer.model import load_tokenizer, unsharded
 from exgrpo_trainer.pool_session import PoolSession
+from exgrpo_trainer.publisher import WeightPublisher, make_publisher
 from exgrpo_trainer.rollouts import ColocatedRollouts, Grader, RemoteRollouts, RolloutSource
 from exgrpo_trainer.step_metrics import StepTimer, batch_metrics
 from exgrpo_trainer.telemetry import MetricsLogger
@@ -75,6 +76,10 @@ class Trainer:
         which several runs may share (compose and k8s fix it at /data/run)."""
         self.checkpointer = Checkpointer(
             self.out / "checkpoints" / self.run_key, cfg.schedule.keep_checkpoints
+        )
+        r = cfg.rollout
+        self.publisher: WeightPublisher = make_publisher(
+            r.publish, self.out / "published", addr=r.publish_addr, port=r.publish_port
         )
         self.step = 0
         self.policy_version = 0
@@ -154,6 +159,7 @@ class Trainer:
 
     def close(self) -> None:
         self.session.close()
+        self.publisher.close()
         self.grader.close()
 
     # ------------------------------------------------------------------------------ helpers
@@ -185,14 +191,15 @@ class Trainer:
             yield engine
 
     # ------------------------------------------------------------------- publish / checkpoint
-    def publish(self) -> Path:
-        """Write the current weights as a Hugging Face folder and register the policy version."""
+    def publish(self) -> str:
+        """Publish the current weights (`rollout.publish`: folder, http or shared memory) and register
+        the policy version; its uri (rank 0)."""
         version = self.step
-        path = self.out / "published" / self.run_key / f"v{version:06d}"
-        save_hf(self.learner.model, self.tokenizer, path)
-        self.session.publish(version, path.resolve().as_uri(), self.step)
+        run = self.cfg.run
+        uri = self.publisher.publish(self.learner.model, self.tokenizer, run.pool, run.name, version)
+        self.session.publish(version, uri, self.step)
         self.policy_version = version
-        return path
+        return uri
 
     def save_checkpoint(self) -> Path:
         extra = {"policy_version": self.policy_version}
