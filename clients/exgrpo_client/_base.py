@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
@@ -77,12 +78,18 @@ class RetryPolicy:
     """Seconds before the first retry; doubles with every further one."""
     max_delay: float = 30.0
     """Longest wait between two attempts, `Retry-After` included."""
+    budget_s: float | None = None
+    """A total time budget in seconds: retry (with the capped back-off) for as long as the time
+    since the first attempt stays within it, however many retries that takes, instead of
+    `retries` times. Rides through a service restart of minutes. None: count `retries`."""
 
     def __post_init__(self) -> None:
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
         if self.backoff < 0:
             raise ValueError(f"backoff must be >= 0 seconds, got {self.backoff}")
+        if self.budget_s is not None and not self.budget_s >= 0:
+            raise ValueError(f"budget_s must be >= 0 seconds or None, got {self.budget_s}")
 
     def retry_status(self, status: int) -> bool:
         return status in RETRY_STATUSES
@@ -95,9 +102,20 @@ class RetryPolicy:
                 return min(max(float(retry_after), 0.0), self.max_delay)
             except ValueError:
                 pass  # an HTTP date: fall back to our own back-off
-        base = min(self.max_delay, self.backoff * 2.0**attempt)
+        base = min(self.max_delay, self.backoff * 2.0 ** min(attempt, 64))
         # jitter, so clients that failed together do not come back together
         return base * random.uniform(0.5, 1.0)
+
+    def next_delay(
+        self, attempt: int, elapsed: float, response: httpx.Response | None = None
+    ) -> float | None:
+        """Seconds to wait before the next attempt after failed attempt `attempt` (0 for the
+        first), `elapsed` seconds after the first began; None when no retry is left (the retries
+        are used up, or the budget is spent: the last wait ends at the budget's end)."""
+        if self.budget_s is None:
+            return self.delay(attempt, response) if attempt < self.retries else None
+        left = self.budget_s - elapsed
+        return None if left <= 0 else min(self.delay(attempt, response), left)
 
 
 # ------------------------------------------------------------------------------------ calls
@@ -355,6 +373,20 @@ def claim_tasks(
     return write("POST", f"{_runs(pool)}/{seg(run)}/tasks/claim", body, _model(s.TasksPublic))
 
 
+def claim_pool_tasks(
+    pool: str, worker: str, max_tasks: int, lease_seconds: float, runs: Sequence[str] | None
+) -> Call[s.TasksPublic]:
+    body = s.PoolTaskClaim.model_validate(
+        {
+            "worker": worker,
+            "max_tasks": max_tasks,
+            "lease_seconds": float(lease_seconds),
+            **_given(runs=None if runs is None else list(runs)),
+        }
+    )
+    return write("POST", f"/v1/pools/{seg(pool)}/tasks/claim", body, _model(s.TasksPublic))
+
+
 # ------------------------------------------------------------------------- endpoints: batches
 def _batch(pool: str, batch_id: str) -> str:
     return f"/v1/pools/{seg(pool)}/batches/{seg(batch_id)}"
@@ -404,9 +436,11 @@ def renew_task(pool: str, task_id: int, lease_token: str, lease_seconds: float) 
 
 
 def complete_task(
-    pool: str, task_id: int, lease_token: str, rollouts: Sequence[RolloutLike]
+    pool: str, task_id: int, lease_token: str, rollouts: Sequence[RolloutLike], policy_version: int | None
 ) -> Call[s.TaskPublic]:
-    body = s.TaskComplete.model_validate({"lease_token": lease_token, "rollouts": list(rollouts)})
+    body = s.TaskComplete.model_validate(
+        {"lease_token": lease_token, "rollouts": list(rollouts), **_given(policy_version=policy_version)}
+    )
     return write("POST", f"{_task(pool, task_id)}/complete", body, _model(s.TaskPublic))
 
 
@@ -471,6 +505,7 @@ class BaseClient:
         timeout: float | None,
         retries: int,
         backoff: float,
+        retry_budget_s: float | None = None,
     ) -> None:
         url = base_url or os.environ.get(ENV_URL) or DEFAULT_URL
         if not url.startswith(("http://", "https://")):
@@ -478,7 +513,7 @@ class BaseClient:
         self.base_url = url.rstrip("/")
         self.token = token if token is not None else (os.environ.get(ENV_TOKEN) or None)
         self.timeout = timeout
-        self.retry_policy = RetryPolicy(retries=retries, backoff=backoff)
+        self.retry_policy = RetryPolicy(retries=retries, backoff=backoff, budget_s=retry_budget_s)
         # run leases in use, by (pool, run) (pool None: the lease did not say), and the run of
         # each batch this client planned, so a commit carries its run's lease
         self._leases: dict[tuple[str | None, str], s.RunLease] = {}
@@ -556,15 +591,26 @@ class BaseClient:
             timeout=self._timeout_for(call),
         )
 
-    def _retry_after_status(self, call: Call[Any], response: httpx.Response, attempt: int) -> bool:
-        return (
-            call.retry
-            and attempt < self.retry_policy.retries
-            and self.retry_policy.retry_status(response.status_code)
-        )
-
-    def _retry_after_error(self, call: Call[Any], exc: Exception, attempt: int) -> bool:
-        return call.retry and attempt < self.retry_policy.retries and isinstance(exc, RETRY_EXCEPTIONS)
+    def _retry_delay(
+        self,
+        call: Call[Any],
+        attempt: int,
+        started: float,
+        *,
+        response: httpx.Response | None = None,
+        exc: Exception | None = None,
+    ) -> float | None:
+        """Seconds to wait before sending `call` again after failed attempt `attempt` (the first
+        began at `started`, `time.monotonic()`); None: the failure is final (not a transient one)
+        or the retries or the time budget are spent."""
+        if not call.retry:
+            return None
+        if exc is not None:
+            if not isinstance(exc, RETRY_EXCEPTIONS):
+                return None
+        elif response is None or not self.retry_policy.retry_status(response.status_code):
+            return None
+        return self.retry_policy.next_delay(attempt, time.monotonic() - started, response)
 
     def _retry_upload(
         self, source: UploadSource, attempt: int, exc: Exception | None, status: int = 0

@@ -43,6 +43,8 @@ class Client(BaseClient):
     Requests that fail on the way (connection errors, timeouts, 429, 502, 503, 504) are sent
     again up to `retries` times, waiting `backoff` seconds, then twice as long each time. Writes
     are retried too: each carries an idempotency key, so the service applies it once.
+    `retry_budget_s` retries instead for as long as that many seconds allow since a call's first
+    attempt (the back-off capped at 30 s), to ride through a restart of the service.
     `transport` replaces the network (`httpx.MockTransport`, `httpx.WSGITransport`, ...)."""
 
     def __init__(
@@ -53,9 +55,17 @@ class Client(BaseClient):
         timeout: float | None = 30.0,
         retries: int = 3,
         backoff: float = 0.5,
+        retry_budget_s: float | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        super().__init__(base_url, token=token, timeout=timeout, retries=retries, backoff=backoff)
+        super().__init__(
+            base_url,
+            token=token,
+            timeout=timeout,
+            retries=retries,
+            backoff=backoff,
+            retry_budget_s=retry_budget_s,
+        )
         self._http = httpx.Client(transport=transport, **self._http_options())
 
     # ---------------------------------------------------------------------------- lifecycle
@@ -74,18 +84,19 @@ class Client(BaseClient):
     def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         request = self._build(self._http, call)
         attempt = 0
+        started = time.monotonic()
         while True:
             try:
                 response = self._http.send(request, stream=stream)
             except httpx.TransportError as e:
-                if not self._retry_after_error(call, e, attempt):
+                delay = self._retry_delay(call, attempt, started, exc=e)
+                if delay is None:
                     raise b.transport_error(e, request, attempt + 1) from e
-                delay = self.retry_policy.delay(attempt)
             else:
-                if not self._retry_after_status(call, response, attempt):
+                delay = self._retry_delay(call, attempt, started, response=response)
+                if delay is None:
                     return response
                 response.close()
-                delay = self.retry_policy.delay(attempt, response)
             time.sleep(delay)
             attempt += 1
 
@@ -310,15 +321,34 @@ class Client(BaseClient):
     ) -> s.TasksPublic:
         return self._request(b.claim_tasks(pool, run, worker, max_tasks, lease_seconds))
 
+    def claim_pool_tasks(
+        self,
+        pool: str,
+        worker: str,
+        max_tasks: int = 1,
+        lease_seconds: float = 120,
+        runs: Sequence[str] | None = None,
+    ) -> s.TasksPublic:
+        """Tasks of any run of the pool (of `runs` if given), for a worker fleet shared by runs.
+        One answer holds tasks of one run, one policy version and one sampling setting."""
+        return self._request(b.claim_pool_tasks(pool, worker, max_tasks, lease_seconds, runs))
+
     def renew_task(
         self, pool: str, task_id: int, lease_token: str, lease_seconds: float = 120
     ) -> s.TaskPublic:
         return self._request(b.renew_task(pool, task_id, lease_token, lease_seconds))
 
     def complete_task(
-        self, pool: str, task_id: int, lease_token: str, rollouts: Sequence[RolloutLike]
+        self,
+        pool: str,
+        task_id: int,
+        lease_token: str,
+        rollouts: Sequence[RolloutLike],
+        policy_version: int | None = None,
     ) -> s.TaskPublic:
-        return self._request(b.complete_task(pool, task_id, lease_token, rollouts))
+        """Hand in a task's rollouts; `policy_version`: the version they were generated with
+        (`Conflict` if the task does not allow it)."""
+        return self._request(b.complete_task(pool, task_id, lease_token, rollouts, policy_version))
 
     def fail_task(
         self, pool: str, task_id: int, lease_token: str, error: str, retry: bool = True
@@ -417,9 +447,17 @@ class AsyncClient(BaseClient):
         timeout: float | None = 30.0,
         retries: int = 3,
         backoff: float = 0.5,
+        retry_budget_s: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        super().__init__(base_url, token=token, timeout=timeout, retries=retries, backoff=backoff)
+        super().__init__(
+            base_url,
+            token=token,
+            timeout=timeout,
+            retries=retries,
+            backoff=backoff,
+            retry_budget_s=retry_budget_s,
+        )
         self._http = httpx.AsyncClient(transport=transport, **self._http_options())
 
     # ---------------------------------------------------------------------------- lifecycle
@@ -438,18 +476,19 @@ class AsyncClient(BaseClient):
     async def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         request = self._build(self._http, call)
         attempt = 0
+        started = time.monotonic()
         while True:
             try:
                 response = await self._http.send(request, stream=stream)
             except httpx.TransportError as e:
-                if not self._retry_after_error(call, e, attempt):
+                delay = self._retry_delay(call, attempt, started, exc=e)
+                if delay is None:
                     raise b.transport_error(e, request, attempt + 1) from e
-                delay = self.retry_policy.delay(attempt)
             else:
-                if not self._retry_after_status(call, response, attempt):
+                delay = self._retry_delay(call, attempt, started, response=response)
+                if delay is None:
                     return response
                 await response.aclose()
-                delay = self.retry_policy.delay(attempt, response)
             await asyncio.sleep(delay)
             attempt += 1
 
@@ -655,15 +694,34 @@ class AsyncClient(BaseClient):
     ) -> s.TasksPublic:
         return await self._request(b.claim_tasks(pool, run, worker, max_tasks, lease_seconds))
 
+    async def claim_pool_tasks(
+        self,
+        pool: str,
+        worker: str,
+        max_tasks: int = 1,
+        lease_seconds: float = 120,
+        runs: Sequence[str] | None = None,
+    ) -> s.TasksPublic:
+        """Tasks of any run of the pool (of `runs` if given), for a worker fleet shared by runs.
+        One answer holds tasks of one run, one policy version and one sampling setting."""
+        return await self._request(b.claim_pool_tasks(pool, worker, max_tasks, lease_seconds, runs))
+
     async def renew_task(
         self, pool: str, task_id: int, lease_token: str, lease_seconds: float = 120
     ) -> s.TaskPublic:
         return await self._request(b.renew_task(pool, task_id, lease_token, lease_seconds))
 
     async def complete_task(
-        self, pool: str, task_id: int, lease_token: str, rollouts: Sequence[RolloutLike]
+        self,
+        pool: str,
+        task_id: int,
+        lease_token: str,
+        rollouts: Sequence[RolloutLike],
+        policy_version: int | None = None,
     ) -> s.TaskPublic:
-        return await self._request(b.complete_task(pool, task_id, lease_token, rollouts))
+        """Hand in a task's rollouts; `policy_version`: the version they were generated with
+        (`Conflict` if the task does not allow it)."""
+        return await self._request(b.complete_task(pool, task_id, lease_token, rollouts, policy_version))
 
     async def fail_task(
         self, pool: str, task_id: int, lease_token: str, error: str, retry: bool = True

@@ -258,6 +258,34 @@ async def test_generation_tasks(client: AsyncClient) -> None:
     assert (status.tasks_completed, status.tasks_failed, status.tasks_pending) == (1, 1, 1)
 
 
+async def test_fleet_tasks_carry_version_and_sampling(client: AsyncClient) -> None:
+    await _pool_with_run(client, n=16)
+    await client.create_run("p1", "r2", seed=2)
+    await client.add_policy_version("p1", "r1", 0, "file:///ckpt/r1/0")
+    await client.add_policy_version("p1", "r1", 1, "file:///ckpt/r1/1")
+    sampling = s.SamplingParams(temperature=0.6, top_p=0.9, max_tokens=32)
+    plan = await client.plan_batch(
+        "p1", "r1", create_tasks=True, batch_size=3, policy_version=1, sampling=sampling
+    )
+    assert plan.policy_version == 1
+    with pytest.raises(Conflict, match="no published policy version 5"):
+        await client.plan_batch("p1", "r2", create_tasks=True, policy_version=5)
+
+    claimed = await client.claim_pool_tasks("p1", "fleet-1", max_tasks=3, runs=["r1", "r2"])
+    assert claimed.count == 3 and {t.run for t in claimed.data} == {"r1"}
+    first = claimed.data[0]
+    assert first.lease_token is not None
+    assert (first.policy_version, first.policy_exact, first.policy_uri) == (1, True, "file:///ckpt/r1/1")
+    assert first.sampling == sampling
+    rollouts = _fresh_group(first.question_id).rollouts
+    with pytest.raises(Conflict, match="exactly policy version 1"):
+        await client.complete_task("p1", first.id, first.lease_token, rollouts, policy_version=0)
+    done = await client.complete_task("p1", first.id, first.lease_token, rollouts, policy_version=1)
+    assert done.status == "completed"
+    results = await client.batch_results("p1", plan.id)
+    assert [(g.question_id, g.policy_version) for g in results.groups] == [(first.question_id, 1)]
+
+
 async def test_ops_endpoints(client: AsyncClient) -> None:
     assert (await client.health()).ok
     ready = await client.ready()

@@ -7,7 +7,13 @@ attempts and hands the others to the real app.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
+import re
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +22,16 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
-from exgrpo_client import AsyncClient, BadRequest, Client, NotFound, RateLimited, ServerError, TransportError
+from exgrpo_client import (
+    AsyncClient,
+    BadRequest,
+    Client,
+    NotFound,
+    RateLimited,
+    ServerError,
+    TransportError,
+)
+from exgrpo_client._base import RetryPolicy
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import Settings
 
@@ -313,3 +328,121 @@ def test_no_timeout_and_a_non_object_answer() -> None:
         "write": None,
         "pool": None,
     }
+
+
+# -------------------------------------------------------------------------- the time budget
+def test_budget_replaces_the_count_of_retries() -> None:
+    counted = RetryPolicy(retries=2, backoff=1.0, max_delay=4.0)
+    assert counted.next_delay(1, elapsed=1e6) is not None and counted.next_delay(2, elapsed=0.0) is None
+    budget = RetryPolicy(retries=2, backoff=1.0, max_delay=4.0, budget_s=10.0)
+    # far more retries than `retries`, the back-off capped at max_delay
+    assert 2.0 <= (budget.next_delay(50, elapsed=0.0) or 0) <= 4.0
+    # the last wait ends at the budget's end; past it, no retry
+    assert budget.next_delay(3, elapsed=9.5) == pytest.approx(0.5)
+    assert budget.next_delay(0, elapsed=10.0) is None
+    assert RetryPolicy(backoff=0.5, budget_s=0.0).next_delay(0, elapsed=0.0) is None
+    with pytest.raises(ValueError, match="budget_s"):
+        RetryPolicy(budget_s=-1.0)
+
+
+def test_budget_retries_transient_statuses_until_it_is_spent() -> None:
+    network = Network([status(503)])
+    start = time.monotonic()
+    with (
+        Client(
+            "http://pool.test",
+            transport=httpx.MockTransport(network),
+            retries=1,
+            backoff=0.01,
+            retry_budget_s=0.5,
+        ) as client,
+        pytest.raises(ServerError),
+    ):
+        client.get_pool("p1")
+    assert time.monotonic() - start >= 0.5
+    assert len(network.requests) > 2  # more than `retries` allows: the budget decides
+    # errors that are not transient are still final at once
+    final = Network([status(422), pool_ok])
+    with (
+        Client(
+            "http://pool.test", transport=httpx.MockTransport(final), backoff=0.01, retry_budget_s=30
+        ) as client,
+        pytest.raises(BadRequest),
+    ):
+        client.get_pool("p1")
+    assert len(final.requests) == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_refused_call_fails_when_the_budget_is_spent() -> None:
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    with (
+        Client(url, retries=1, backoff=0.01, retry_budget_s=0.3) as client,
+        pytest.raises(TransportError) as failed,
+    ):
+        client.list_pools()
+    tries = re.search(r"failed \((\d+) times\)", str(failed.value))
+    assert tries is not None and int(tries.group(1)) > 2
+
+
+def test_sync_calls_ride_through_a_service_that_is_down(
+    tmp_path: Path, start_live_server: Callable[..., contextlib.AbstractContextManager[Any]], pool_name: str
+) -> None:
+    """The service is down when the call starts (connections refused) and comes up a moment
+    later: the call, which `retries` alone would have given up, succeeds within its budget."""
+    port = _free_port()
+    got: dict[str, Any] = {}
+
+    def call() -> None:
+        with Client(f"http://127.0.0.1:{port}", retries=0, backoff=0.05, retry_budget_s=120) as client:
+            try:
+                got["pool"] = client.create_pool(pool_name)
+            except Exception as e:  # handed to the test below
+                got["error"] = e
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(1.0)
+    assert caller.is_alive() and not got  # still retrying against a closed port
+    with start_live_server(f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", port=port) as server:
+        caller.join(120)
+        assert not caller.is_alive() and "error" not in got, got
+        assert got["pool"].name == pool_name
+        with Client(server.url) as client:
+            assert [p.name for p in client.list_pools().data] == [pool_name]
+
+
+async def test_async_calls_ride_through_a_service_that_is_down(
+    tmp_path: Path, start_live_server: Callable[..., contextlib.AbstractContextManager[Any]], pool_name: str
+) -> None:
+    port = _free_port()
+    up = threading.Event()
+    done = threading.Event()
+
+    def service() -> None:
+        up.wait()
+        with start_live_server(f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", port=port):
+            done.wait(120)
+
+    server = threading.Thread(target=service)
+    server.start()
+    try:
+        async with AsyncClient(
+            f"http://127.0.0.1:{port}", retries=0, backoff=0.05, retry_budget_s=120
+        ) as client:
+            call = asyncio.ensure_future(client.create_pool(pool_name))
+            await asyncio.sleep(1.0)
+            assert not call.done()  # still retrying against a closed port
+            up.set()
+            pool = await asyncio.wait_for(call, 120)
+            assert pool.name == pool_name
+            assert (await client.get_pool(pool_name)).name == pool_name
+    finally:
+        up.set()
+        done.set()
+        server.join(30)
