@@ -27,11 +27,23 @@ from rich.table import Table
 from rich.text import Text
 
 from exgrpo_client import schemas as s
+from exgrpo_client.logs import LOG_FORMAT_ENV, LogFormat
 
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Plain JSON on stdout instead of tables (also before the command).")
 ]
 """The --json option of a command that prints data; `exgrpo --json COMMAND` sets the same."""
+
+LogFormatOption = Annotated[
+    LogFormat | None,
+    typer.Option(
+        "--log-format",
+        envvar=LOG_FORMAT_ENV,
+        help="Log lines as JSON objects or plain text, the same fields either way (operations.md, Logs).",
+        show_default=False,
+    ),
+]
+"""The --log-format option of every command that starts a process (serve, rollout, train, run)."""
 
 
 def stdout() -> Console:

@@ -21,6 +21,7 @@ from exgrpo_client import AsyncClient, NotFound
 from exgrpo_client import schemas as s
 from exgrpo_client.errors import ExgrpoError
 from exgrpo_client.io import QuestionFileError, read_questions
+from exgrpo_client.logs import configure_logging, fields
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import Settings
 from exgrpo_pool.config import mask_url as mask_url  # main.py masks the URL of `db upgrade` with it
@@ -55,6 +56,9 @@ def upgrade(url: str) -> None:
 
 # ------------------------------------------------------------------------------------- serving
 def serve(settings: Settings, *, demo: bool, demo_data: Path | None) -> None:
+    configure_logging(settings.log_format, settings.log_level)
+    if settings.log_format == "json":
+        log.info("pool service settings", extra=fields(**settings.public_dict()))
     # uvicorn shuts down gracefully, then re-raises the Ctrl-C it caught: that is a clean stop
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(settings, demo=demo, demo_data=demo_data))
@@ -67,6 +71,7 @@ async def _serve(settings: Settings, *, demo: bool, demo_data: Path | None) -> N
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        log_config=None,  # uvicorn's lines go through the process's log format (exgrpo_client.logs)
         access_log=False,  # the service writes its own access log, with request ids
     )
     server = uvicorn.Server(config)

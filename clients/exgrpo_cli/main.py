@@ -131,16 +131,23 @@ def serve(
         ),
     ] = None,
     as_json: render.JsonOption = False,
+    log_format: render.LogFormatOption = None,
 ) -> None:
     """Run the pool service. EXGRPO_* variables configure it; flags override them."""
     from exgrpo_cli import _serve
 
     state = _state(ctx, as_json)
     settings = _serve.build_settings(
-        host=host, port=port, database_url=database_url, redis_url=redis_url, allow_anonymous=anonymous
+        host=host,
+        port=port,
+        database_url=database_url,
+        redis_url=redis_url,
+        allow_anonymous=anonymous,
+        log_format=log_format,
     )
-    public = settings.public_dict()
-    render.show(state.json, public, lambda: render.kv_table("settings", public))
+    if settings.log_format == "plain":  # in json, the settings are a log record (every line is one)
+        public = settings.public_dict()
+        render.show(state.json, public, lambda: render.kv_table("settings", public))
     _serve.serve(settings, demo=demo, demo_data=demo_data)
 
 
@@ -188,6 +195,7 @@ def train(
             help="Take the run over from the trainer that owns it (run.takeover=true); that one stops.",
         ),
     ] = False,
+    log_format: render.LogFormatOption = None,
     overrides: Annotated[
         list[str] | None,
         typer.Argument(
@@ -215,10 +223,11 @@ def train(
     if nproc == 1:
         from exgrpo_trainer.cli import run as run_trainer
 
-        run_trainer(cfg)
+        run_trainer(cfg, log_format)
         return
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    command += ["-m", "exgrpo_trainer", *(["--config", config] if config else []), *items]
+    command += ["-m", "exgrpo_trainer", *(["--config", config] if config else [])]
+    command += [*(["--log-format", log_format] if log_format else []), *items]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, command)
@@ -263,6 +272,7 @@ def run_job(
             show_default=False,
         ),
     ] = None,
+    log_format: render.LogFormatOption = None,
 ) -> None:
     """The main job: embedded pool service, warm-started model, ExGRPO training with held-out
     evaluation before and after, a report with plots. Needs no services and no arguments."""
@@ -270,7 +280,10 @@ def run_job(
         raise ValueError(
             "the main job needs the train extra: pip install 'exgrpo-stack[server,train,rollout]'"
         )
+    from exgrpo_client.logs import configure_logging
     from exgrpo_onebox.main_job import MainJobOptions, run_main_job
+
+    configure_logging(log_format or "plain")
 
     run_main_job(
         MainJobOptions(

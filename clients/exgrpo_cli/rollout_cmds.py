@@ -162,21 +162,23 @@ def rollout(
         list[str] | None,
         typer.Option("--vllm-option", help="KEY=VALUE passed to vllm.LLM (repeatable).", show_default=False),
     ] = None,
-    log_level: Annotated[str, typer.Option("--log-level", help="Log level of the JSON logs.")] = "INFO",
+    log_level: Annotated[str, typer.Option("--log-level", help="Log level.")] = "INFO",
+    log_format: render.LogFormatOption = None,
 ) -> None:
     """Serve a run's generation tasks: claim, generate, grade, complete.
 
-    JSON logs go to stderr. SIGTERM/SIGINT fail the in-flight tasks back to the queue and exit 0.
+    Logs go to stderr, JSON lines unless --log-format plain. SIGTERM/SIGINT fail the in-flight
+    tasks back to the queue and exit 0.
     """
     _friendly(_rollout)(**locals())
 
 
 def _rollout(ctx: typer.Context, **a: Any) -> None:
     _need_rollout_extra(a["engine"])
-    from exgrpo_rollout.logs import configure_json_logging
+    from exgrpo_client.logs import configure_logging
     from exgrpo_rollout.worker import TEST_DELAY_ENV, WorkerConfig, default_worker_id, run_worker
 
-    configure_json_logging(a["log_level"].upper())
+    configure_logging(a["log_format"] or "json", a["log_level"].upper())
     cfg = WorkerConfig(
         pool=a["pool"],
         run=a["run"],

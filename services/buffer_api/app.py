@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -40,31 +39,9 @@ PROBLEM = "application/problem+json"
 
 
 # ------------------------------------------------------------------------------------ logging
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        out.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def configure_logging(settings: Settings) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        JsonFormatter()
-        if settings.log_json
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
-    )
-    root = logging.getLogger("exgrpo")
-    root.handlers[:] = [handler]
-    root.setLevel(settings.log_level)
-    root.propagate = False
+SERVICE_LOGGERS = ("exgrpo.pool", "exgrpo.access")
+"""The service's loggers: at `settings.log_level`. Where their lines go, and in which format, is
+the process's choice (`exgrpo serve` sets up exgrpo_client.logs; an embedding program its own)."""
 
 
 # ------------------------------------------------------------------------------------ problems
@@ -344,7 +321,8 @@ async def rebuild_all(ctx: Context) -> int:
 
 
 def create_app(settings: Settings) -> FastAPI:
-    configure_logging(settings)
+    for name in SERVICE_LOGGERS:
+        logging.getLogger(name).setLevel(settings.log_level)
     metrics = Metrics()
 
     @contextlib.asynccontextmanager

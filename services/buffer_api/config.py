@@ -121,8 +121,8 @@ class Settings(BaseSettings):
     """A generation task that failed this many times stays failed."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level of the service."""
-    log_json: bool = True
-    """One JSON object per log line (False: plain text)."""
+    log_format: Literal["json", "plain"] = "json"
+    """Log lines as JSON objects or plain text (exgrpo_client.logs; `exgrpo serve --log-format`)."""
     db_pool_size: int = Field(10, ge=1)
     """Connections kept open to Postgres."""
     allow_example_secrets: bool = False

@@ -21,7 +21,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import torch
 from rich.console import Console
@@ -29,6 +29,7 @@ from rich.console import Console
 import exgrpo_trainer
 from exgrpo_client import Client
 from exgrpo_client.io import read_questions
+from exgrpo_client.logs import LogLines, configured_format, file_handler
 from exgrpo_onebox.config import MainJobOptions, OneBoxConfig, ResolvedJob, resolve, warm_start_path
 from exgrpo_onebox.prepare import prepare_pool
 from exgrpo_onebox.report import write_report
@@ -68,7 +69,7 @@ def _free_port() -> int:
 def run_main_job(opts: MainJobOptions) -> Path:
     job = resolve(opts)  # bad settings fail here, before anything is prepared
     cfg = job.config
-    console = Console(stderr=True)
+    console = job_console()
     started = time.perf_counter()
     one_thread_on_small_boxes()
     from transformers.utils import logging as hf_logging  # transformers: seconds to import, only when run
@@ -164,12 +165,17 @@ def run_main_job(opts: MainJobOptions) -> Path:
     return out
 
 
+def job_console() -> Console:
+    """The job's display on stderr, never wrapped at a width (a file or a pipe gets 80 columns);
+    when the process logs in json (exgrpo_client.logs), each display line is an INFO log record."""
+    if configured_format() == "json":
+        return Console(file=cast("IO[str]", LogLines(log)), soft_wrap=True)
+    return Console(stderr=True, soft_wrap=True)
+
+
 def _log_to(path: Path) -> None:
-    handler = logging.FileHandler(path)
-    handler.setLevel(logging.INFO)
-    for name in ("exgrpo", "httpx"):
-        lg = logging.getLogger(name)
-        lg.addHandler(handler)
+    """Every log record of the job (service, trainer, libraries) also to `path`, in its format."""
+    logging.getLogger().addHandler(file_handler(path, configured_format() or "plain"))
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 

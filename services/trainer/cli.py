@@ -20,7 +20,10 @@ import sys
 
 from pydantic import ValidationError
 
+from exgrpo_client.logs import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging, fields, resolve_format
 from exgrpo_trainer.config import TrainConfig, format_config_error, load_config, recipes
+
+log = logging.getLogger("exgrpo.trainer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--takeover",
         action="store_true",
         help="Take the run over from the trainer that owns it (run.takeover=true); that one stops.",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=None,
+        help=f"Log lines as JSON objects or plain text (default: ${LOG_FORMAT_ENV}, else plain).",
     )
     parser.add_argument(
         "overrides",
@@ -58,15 +67,21 @@ def read_config(config: str | None, overrides: list[str]) -> TrainConfig:
         raise SystemExit(f"error: {' '.join(str(e).split())}") from None
 
 
-def run(cfg: TrainConfig) -> None:
-    """Log set-up, the settings on stdout (rank 0), training, and leaving the process group."""
+def run(cfg: TrainConfig, log_format: str | None = None) -> None:
+    """Log set-up (`log_format`, else $EXGRPO_LOG_FORMAT, else plain), the settings (rank 0: YAML on
+    stdout, or one log record in json), training, and leaving the process group."""
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+    try:
+        fmt = resolve_format(log_format, "plain")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    configure_logging(
+        fmt, logging.INFO if rank == 0 else logging.WARNING, static={"rank": rank} if ranks > 1 else None
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    if rank == 0:
+    if rank == 0 and fmt == "json":
+        log.info("trainer settings", extra=fields(settings=cfg.public_dict()))
+    elif rank == 0:
         sys.stdout.write("# exgrpo trainer settings\n" + cfg.to_yaml())
         sys.stdout.flush()
 
@@ -78,7 +93,9 @@ def run(cfg: TrainConfig) -> None:
     try:
         run_training(cfg)
     except (RunOwnershipError, CheckpointOwnerError) as e:
-        if rank == 0:
+        if rank == 0 and fmt == "json":
+            log.error(" ".join(str(e).split()))
+        elif rank == 0:
             sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
         raise SystemExit(EXIT_STATUS) from None
     finally:
@@ -87,5 +104,6 @@ def run(cfg: TrainConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    run(read_config(args.config, [*args.overrides, *(["run.takeover=true"] if args.takeover else [])]))
+    cfg = read_config(args.config, [*args.overrides, *(["run.takeover=true"] if args.takeover else [])])
+    run(cfg, args.log_format)
     return 0

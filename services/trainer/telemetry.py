@@ -1,6 +1,6 @@
 """Per-step metrics to JSONL, TensorBoard and (when installed and asked for) Weights & Biases,
-plus a live progress bar with a one-line summary per step, and a background sender of the metrics
-that reach the pool service after a step's commit."""
+plus a one-line summary per step (a `step` log record, or on a terminal a line under a live progress
+bar), and a background sender of the metrics that reach the pool service after a step's commit."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from exgrpo_client.logs import configured_format, fields, progress_allowed
 from exgrpo_trainer.config import LoggingSection
 
 if TYPE_CHECKING:
@@ -90,7 +91,10 @@ class MetricsLogger:
     ) -> None:
         self.cfg = cfg
         self.out_dir = out_dir
-        self.console = Console(stderr=True)
+        # on a terminal the summary lines are for people; elsewhere they are log records. Never
+        # wrapped at the console's width (80 columns when stderr is a file or a pipe)
+        self.human = progress_allowed() or configured_format() is None
+        self.console = Console(stderr=True, soft_wrap=True)
         self.jsonl = (out_dir / "metrics.jsonl").open("a") if cfg.jsonl else None
         self.tb: Any = None
         if cfg.tensorboard:
@@ -114,7 +118,7 @@ class MetricsLogger:
         self.prometheus = PrometheusExporter(port) if port is not None else None
         self.progress: Progress | None = None
         self.task: Any = None
-        if cfg.progress:
+        if cfg.progress and progress_allowed():  # a bar only on a terminal, and not between JSON lines
             self.progress = Progress(
                 TextColumn("[bold]train[/]"),
                 BarColumn(),
@@ -146,10 +150,15 @@ class MetricsLogger:
             self.wandb.log(clean, step=step)
         if self.prometheus is not None:
             self.prometheus.update(step, clean)
+        phase = "mixed" if clean.get("phase/mixed") else "on_policy"
+        if not self.human:
+            summary = {k: float(fmt.format(clean[k])) for k, _, fmt in SUMMARY_KEYS if k in clean}
+            log.info("step", extra=fields(step=step, **summary, phase=phase))
+            return
         line = (
             f"step {step:>4} "
             + " ".join(f"{short}={fmt.format(clean[k])}" for k, short, fmt in SUMMARY_KEYS if k in clean)
-            + f" phase={'mixed' if clean.get('phase/mixed') else 'on_policy'}"
+            + f" phase={phase}"
         )
         if self.progress is not None:
             self.progress.update(self.task, completed=step, info=f"solved={clean.get('batch/solved', 0):.3f}")

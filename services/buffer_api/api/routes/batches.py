@@ -17,16 +17,14 @@ from exgrpo_pool.api.deps import (
     RunLeaseDep,
     WritePool,
 )
-from exgrpo_pool.api.wire import FrameRoute, WireDep, frame_answer, frame_body
 from exgrpo_pool.service import batches, tasks
 
-router = APIRouter(prefix="/v1/pools/{pool}", tags=["batches"], route_class=FrameRoute)
+router = APIRouter(prefix="/v1/pools/{pool}", tags=["batches"])
 
 
-@router.get("/batches/{batch_id}", response_model=s.BatchPlan, responses=frame_answer(s.BatchPlan))
-async def show_batch(batch_id: BatchId, pool: ReadPool, ctx: ContextDep, wire: WireDep) -> object:
-    with wire.answering():
-        return wire.respond(await batches.get_batch_plan(ctx, pool, batch_id))
+@router.get("/batches/{batch_id}", response_model=s.BatchPlan)
+async def show_batch(batch_id: BatchId, pool: ReadPool, ctx: ContextDep) -> s.BatchPlan:
+    return await batches.get_batch_plan(ctx, pool, batch_id)
 
 
 @router.get("/batches/{batch_id}/status", response_model=s.BatchStatusPublic)
@@ -34,11 +32,7 @@ async def batch_status(batch_id: BatchId, pool: ReadPool, ctx: ContextDep) -> s.
     return await tasks.batch_status(ctx, pool, batch_id)
 
 
-@router.post(
-    "/batches/{batch_id}/commit",
-    response_model=s.CommitResult,
-    openapi_extra=frame_body(s.BatchCommit, "The batch's graded groups"),
-)
+@router.post("/batches/{batch_id}/commit", response_model=s.CommitResult)
 async def commit_batch(
     batch_id: BatchId,
     body: s.BatchCommit,
@@ -46,9 +40,7 @@ async def commit_batch(
     ctx: ContextDep,
     idem: IdempotencyDep,
     lease: RunLeaseDep,
-    wire: WireDep,
 ) -> object:
-    wire.attach(body)
     return await idem.run(lambda: batches.commit_batch(ctx, pool, batch_id, body, lease))
 
 
