@@ -12,12 +12,13 @@ write whose response was lost is retried without being applied twice.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Generic, TypeVar
 from urllib.parse import quote
@@ -25,7 +26,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from exgrpo_client import errors
+from exgrpo_client import errors, frames
 from exgrpo_client import schemas as s
 from exgrpo_client._models import Health, PoolExported, PoolImported, Readiness
 
@@ -35,6 +36,8 @@ DEFAULT_URL = "http://127.0.0.1:8700"
 ENV_URL = "EXGRPO_URL"
 ENV_TOKEN = "EXGRPO_TOKEN"
 USER_AGENT = f"exgrpo-client/{__version__}"
+
+log = logging.getLogger("exgrpo_client")
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # Failures after which the request may or may not have reached the service. Safe to retry because
@@ -138,6 +141,11 @@ class Call(Generic[T]):
     """(pool, run) of a write on a run: it carries the run's lease header if the client uses one."""
     batch: tuple[str, str] | None = None
     """(pool, batch id) of a commit: it carries the lease header of the batch's run."""
+    model: BaseModel | None = None
+    """A body that may go as a binary frame (a commit, an ingest); sent as JSON when the client
+    sends JSON. Instead of `body`."""
+    frame_parse: Callable[[bytes], T] | None = None
+    """How to read the answer when it comes as a binary frame (plans, selections)."""
 
 
 def seg(value: str | int) -> str:
@@ -329,9 +337,14 @@ def run_metrics(pool: str, run: str, after_step: int, limit: int) -> Call[s.RunM
     return get(f"{_runs(pool)}/{seg(run)}/metrics", _model(s.RunMetricsPublic), params=params)
 
 
+def _frame(cls: type[M]) -> Callable[[bytes], M]:
+    return lambda raw: frames.decode_model(raw, cls)
+
+
 def plan_batch(pool: str, run: str, fields: Mapping[str, Any]) -> Call[s.BatchPlan]:
     body = s.BatchCreate.model_validate(_given(**fields))
-    return write("POST", f"{_runs(pool)}/{seg(run)}/batches", body, _model(s.BatchPlan), run=(pool, run))
+    path = f"{_runs(pool)}/{seg(run)}/batches"
+    return write("POST", path, body, _model(s.BatchPlan), run=(pool, run), frame_parse=_frame(s.BatchPlan))
 
 
 def ingest(
@@ -340,7 +353,10 @@ def ingest(
     body = s.IngestRequest.model_validate(
         {"groups": list(groups), "policy_version": policy_version, **_given(step=step)}
     )
-    return write("POST", f"{_runs(pool)}/{seg(run)}/ingest", body, _model(s.CommitResult), run=(pool, run))
+    return replace(
+        write("POST", f"{_runs(pool)}/{seg(run)}/ingest", None, _model(s.CommitResult), run=(pool, run)),
+        model=body,
+    )
 
 
 def select(
@@ -348,7 +364,13 @@ def select(
 ) -> Call[s.SelectResult]:
     body = s.SelectRequest.model_validate({"n": n, "candidates": candidates, **_given(seed=seed)})
     # a read that happens to be a POST: no idempotency key needed, retried like a GET
-    return Call("POST", f"{_runs(pool)}/{seg(run)}/select", _model(s.SelectResult), body=_body(body))
+    return Call(
+        "POST",
+        f"{_runs(pool)}/{seg(run)}/select",
+        _model(s.SelectResult),
+        body=_body(body),
+        frame_parse=_frame(s.SelectResult),
+    )
 
 
 def acquire_run_lease(
@@ -393,7 +415,7 @@ def _batch(pool: str, batch_id: str) -> str:
 
 
 def get_batch(pool: str, batch_id: str) -> Call[s.BatchPlan]:
-    return get(_batch(pool, batch_id), _model(s.BatchPlan))
+    return get(_batch(pool, batch_id), _model(s.BatchPlan), frame_parse=_frame(s.BatchPlan))
 
 
 def batch_status(pool: str, batch_id: str) -> Call[s.BatchStatusPublic]:
@@ -415,9 +437,10 @@ def commit_batch(
             **({"with_stats": True} if with_stats else {}),
         }
     )
-    return write(
-        "POST", f"{_batch(pool, batch_id)}/commit", body, _model(s.CommitResult), batch=(pool, batch_id)
+    call = write(
+        "POST", f"{_batch(pool, batch_id)}/commit", None, _model(s.CommitResult), batch=(pool, batch_id)
     )
+    return replace(call, model=body)
 
 
 def batch_results(pool: str, batch_id: str, wait: float) -> Call[s.BatchResults]:
@@ -506,6 +529,7 @@ class BaseClient:
         retries: int,
         backoff: float,
         retry_budget_s: float | None = None,
+        binary: bool = True,
     ) -> None:
         url = base_url or os.environ.get(ENV_URL) or DEFAULT_URL
         if not url.startswith(("http://", "https://")):
@@ -514,6 +538,9 @@ class BaseClient:
         self.token = token if token is not None else (os.environ.get(ENV_TOKEN) or None)
         self.timeout = timeout
         self.retry_policy = RetryPolicy(retries=retries, backoff=backoff, budget_s=retry_budget_s)
+        #: commits and ingests go as binary frames, plans and selections come as frames (False:
+        #: JSON throughout, as curl and other languages speak it)
+        self.binary = binary
         # run leases in use, by (pool, run) (pool None: the lease did not say), and the run of
         # each batch this client planned, so a commit carries its run's lease
         self._leases: dict[tuple[str | None, str], s.RunLease] = {}
@@ -573,10 +600,19 @@ class BaseClient:
     ) -> httpx.Request:
         """The request for a call (once: its retries resend the same request, ids and all)."""
         headers = {"x-request-id": uuid.uuid4().hex[:16]}
-        if call.body is not None:
+        if call.model is not None and content is None:
+            if self.binary:
+                content = frames.encode_model(call.model)
+                headers["content-type"] = frames.MEDIA_TYPE
+            else:
+                content = _body(call.model)
+                headers["content-type"] = "application/json"
+        elif call.body is not None:
             headers["content-type"] = "application/json"
         elif content is not None:
             headers["content-type"] = "application/x-ndjson"
+        if self.binary and call.frame_parse is not None:
+            headers["accept"] = f"{frames.MEDIA_TYPE}, application/json"
         if call.idempotency_key is not None:
             headers["idempotency-key"] = call.idempotency_key
         lease = self._lease_for(call)
@@ -610,7 +646,13 @@ class BaseClient:
                 return None
         elif response is None or not self.retry_policy.retry_status(response.status_code):
             return None
-        return self.retry_policy.next_delay(attempt, time.monotonic() - started, response)
+        delay = self.retry_policy.next_delay(attempt, time.monotonic() - started, response)
+        if delay is not None:  # one line per retry: an outage rode through is visible in the log
+            why = type(exc).__name__ if exc is not None else f"HTTP {response.status_code if response else 0}"
+            log.warning(
+                "retrying %s %s in %.1f s (attempt %d: %s)", call.method, call.path, delay, attempt + 1, why
+            )
+        return delay
 
     def _retry_upload(
         self, source: UploadSource, attempt: int, exc: Exception | None, status: int = 0
@@ -624,7 +666,9 @@ class BaseClient:
 
     def _finish(self, call: Call[T], response: httpx.Response) -> T:
         if response.is_success or response.status_code in call.ok_statuses:
-            return self._noted(call.parse(response.content))
+            framed = frames.wants_frame(response.headers.get("content-type"))
+            parse = call.frame_parse if framed and call.frame_parse is not None else call.parse
+            return self._noted(parse(response.content))
         raise api_error(response)
 
 

@@ -45,7 +45,10 @@ class Client(BaseClient):
     are retried too: each carries an idempotency key, so the service applies it once.
     `retry_budget_s` retries instead for as long as that many seconds allow since a call's first
     attempt (the back-off capped at 30 s), to ride through a restart of the service.
-    `transport` replaces the network (`httpx.MockTransport`, `httpx.WSGITransport`, ...)."""
+    `transport` replaces the network (`httpx.MockTransport`, `httpx.WSGITransport`, ...).
+    `binary` (the default) sends commits and ingests as binary frames and takes plans and
+    selections as frames (token ids and log-probs as raw buffers, no base64); `binary=False`
+    speaks JSON throughout."""
 
     def __init__(
         self,
@@ -57,6 +60,7 @@ class Client(BaseClient):
         backoff: float = 0.5,
         retry_budget_s: float | None = None,
         transport: httpx.BaseTransport | None = None,
+        binary: bool = True,
     ) -> None:
         super().__init__(
             base_url,
@@ -65,6 +69,7 @@ class Client(BaseClient):
             retries=retries,
             backoff=backoff,
             retry_budget_s=retry_budget_s,
+            binary=binary,
         )
         self._http = httpx.Client(transport=transport, **self._http_options())
 
@@ -449,6 +454,7 @@ class AsyncClient(BaseClient):
         backoff: float = 0.5,
         retry_budget_s: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        binary: bool = True,
     ) -> None:
         super().__init__(
             base_url,
@@ -457,6 +463,7 @@ class AsyncClient(BaseClient):
             retries=retries,
             backoff=backoff,
             retry_budget_s=retry_budget_s,
+            binary=binary,
         )
         self._http = httpx.AsyncClient(transport=transport, **self._http_options())
 

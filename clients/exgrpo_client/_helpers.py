@@ -8,14 +8,17 @@ import numpy as np
 import numpy.typing as npt
 
 from exgrpo_client.schemas import (
+    ID_DTYPE,
+    LOGPROB_DTYPE,
     IdsLike,
     LogprobsLike,
     RolloutResult,
     TrajectoryPublic,
     decode_ids,
     decode_logprobs,
-    pack_ids,
-    pack_logprobs,
+    encode_b64,
+    ids_bytes,
+    logprobs_bytes,
 )
 
 _INT32_MAX = 2**31 - 1
@@ -55,8 +58,13 @@ def rollout(
             raise ValueError(f"token_ids ({ids.size}) and logprobs ({lps.size}) differ in length")
         if ids.size and (ids.min() < 0 or ids.max() > _INT32_MAX):
             raise ValueError("token ids must be in [0, 2^31)")
-        fields["token_ids_b64"] = pack_ids(ids)
-        fields["logprobs_b64"] = pack_logprobs(lps)
+        raw_ids, raw_lps = ids_bytes(ids), logprobs_bytes(lps)
+        fields["token_ids_b64"] = encode_b64(raw_ids)
+        fields["logprobs_b64"] = encode_b64(raw_lps)
+        out = RolloutResult.model_validate(fields)
+        # a binary frame sends these buffers as they are (no base64 on either side)
+        out._packed = (raw_ids, raw_lps)
+        return out
     return RolloutResult.model_validate(fields)
 
 
@@ -65,6 +73,10 @@ def decode_trajectory(trajectory: TrajectoryPublic) -> tuple[npt.NDArray[np.int3
 
     The trajectory must carry its payload: ask for it with `payload=True` (question detail) or
     `candidates=...` (replay plans)."""
+    if trajectory._packed is not None:  # it came in a binary frame
+        ids = np.frombuffer(trajectory._packed[0], dtype=ID_DTYPE)
+        lps = np.frombuffer(trajectory._packed[1], dtype=LOGPROB_DTYPE)
+        return ids.astype(np.int32), lps.astype(np.float32)
     if trajectory.token_ids_b64 is None or trajectory.logprobs_b64 is None:
         raise ValueError(
             f"trajectory {trajectory.id} has no payload: fetch it with payload=True "

@@ -24,6 +24,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StringConstraints,
     TypeAdapter,
     ValidationError,
@@ -403,6 +404,10 @@ class RolloutResult(Payload):
         description="The response as text (its tokens decoded), stored with a collected trajectory so "
         "people can read it.",
     )
+    #: the payload as packed bytes (little-endian int32 ids, float32 log-probs) when it came in a
+    #: binary frame or was built by `exgrpo_client.rollout`: never on the JSON wire, where the
+    #: fields above carry it
+    _packed: tuple[bytes, bytes] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _one_of_each(self) -> RolloutResult:
@@ -435,6 +440,9 @@ class TrajectoryPublic(Strict):
     token_ids_b64: str | None = None
     logprobs_b64: str | None = None
     text: str | None = Field(None, description="The response as text, where its producer sent it.")
+    #: the payload as packed bytes (little-endian int32 ids, float32 log-probs), as stored, when
+    #: it comes in a binary frame (`exgrpo_client.decode_trajectory` reads either form)
+    _packed: tuple[bytes, bytes] | None = PrivateAttr(None)
 
 
 # ----------------------------------------------------------------------------------------- runs

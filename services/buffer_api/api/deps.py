@@ -132,6 +132,10 @@ RunLeaseDep = Annotated[LeaseClaim | None, Depends(run_lease_claim)]
 RAW = "json_text"
 
 
+#: writes an answer: (result, status code, extra headers) -> response
+Responder = Callable[[Any, int, dict[str, str] | None], Any]
+
+
 class _KeyTaken(Exception):
     """Another request recorded this key first (it committed while this one waited for it)."""
 
@@ -167,20 +171,23 @@ class Idempotency:
         *,
         reference: Callable[[Any], dict[str, Any]] | None = None,
         resolve: Callable[[dict[str, Any]], Awaitable[BaseModel]] | None = None,
+        respond: Responder | None = None,
     ) -> Any:
         """`reference`/`resolve`: remember a small reference instead of a large response body (a
-        batch plan), and rebuild the response from it on a replay."""
+        batch plan), and rebuild the response from it on a replay. `respond`: how an answer is
+        written (JSON by default; a binary frame where the client asked for one)."""
+        respond = respond or json_response
         if self.key is None:
-            return _response(await fn(), status_code)
+            return respond(await fn(), status_code, None)
         body = await self.request.body()
         route = f"{self.request.method} {self.request.url.path}"
         digest = hashlib.sha256(route.encode() + b"\n" + body).hexdigest()
         for _ in range(self.ATTEMPTS):
             cached = await self._lookup()
             if cached is not None:
-                return await self._replay(cached, digest, resolve)
+                return await self._replay(cached, digest, resolve, respond)
             try:
-                return await self._first(fn, status_code, route, digest, reference)
+                return await self._first(fn, status_code, route, digest, reference, respond)
             except _KeyTaken:
                 continue
         raise Conflict("this Idempotency-Key is in use by another request; retry in a moment")
@@ -192,6 +199,7 @@ class Idempotency:
         route: str,
         digest: str,
         reference: Callable[[Any], dict[str, Any]] | None,
+        respond: Responder,
     ) -> Any:
         async with self.ctx.db.transaction() as session:
             record = IdempotencyKey(
@@ -209,7 +217,7 @@ class Idempotency:
             except IntegrityError as e:
                 raise _KeyTaken() from e
             result = await fn()
-            response = _response(result, status_code)
+            response = respond(result, status_code, None)
             # the body as text: a JSONB column would reorder its keys, and a replay is byte-identical
             record.response = (
                 {"ref": reference(result)} if reference is not None else {RAW: bytes(response.body).decode()}
@@ -221,13 +229,14 @@ class Idempotency:
         cached: IdempotencyKey,
         digest: str,
         resolve: Callable[[dict[str, Any]], Awaitable[BaseModel]] | None,
+        respond: Responder,
     ) -> Any:
         if cached.request_hash != digest:
             raise BadRequest("this Idempotency-Key was used for a different request; use a new key")
         headers = {"Idempotent-Replayed": "true"}
         stored = cached.response
         if resolve is not None and "ref" in stored:
-            return _response(await resolve(stored["ref"]), cached.status_code, headers)
+            return respond(await resolve(stored["ref"]), cached.status_code, headers)
         if isinstance(stored.get(RAW), str) and len(stored) == 1:
             return Response(stored[RAW], cached.status_code, headers, media_type="application/json")
         return JSONResponse(stored, status_code=cached.status_code, headers=headers)  # an older record
@@ -240,7 +249,7 @@ class Idempotency:
 IdempotencyDep = Annotated[Idempotency, Depends(Idempotency)]
 
 
-def _response(
+def json_response(
     obj: BaseModel | dict[str, Any], status_code: int, headers: dict[str, str] | None = None
 ) -> Any:
     if isinstance(obj, BaseModel):

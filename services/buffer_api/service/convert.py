@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 from dataclasses import dataclass
@@ -67,8 +68,15 @@ COMMIT_DIGEST = "groups_sha256"
 
 
 def commit_digest(req: s.BatchCommit) -> str:
-    """What a commit applies: its groups and policy version (not metrics or with_stats)."""
-    return hashlib.sha256(req.model_dump_json(include={"groups", "policy_version"}).encode()).hexdigest()
+    """What a commit applies: its groups and policy version (not metrics or with_stats), and the
+    payloads a binary frame carried beside them."""
+    h = hashlib.sha256(req.model_dump_json(include={"groups", "policy_version"}).encode())
+    for g in req.groups:
+        for r in g.rollouts:
+            if r._packed is not None:
+                h.update(r._packed[0])
+                h.update(r._packed[1])
+    return h.hexdigest()
 
 
 def committed_result(batch: Batch) -> s.CommitResult:
@@ -186,9 +194,18 @@ def question_public(q: Question, pool_name: str) -> s.QuestionPublic:
     )
 
 
+#: While set (an answer that goes out as a binary frame), `trajectory_public` keeps the stored
+#: payload bytes as they are instead of writing them as base64 text.
+raw_payloads: contextvars.ContextVar[bool] = contextvars.ContextVar("exgrpo_raw_payloads", default=False)
+
+
 def trajectory_public(
     t: Trajectory, run_names: dict[int, str], *, payload: bool, text: bool = False
 ) -> s.TrajectoryPublic:
+    if payload and raw_payloads.get():
+        out = trajectory_public(t, run_names, payload=False, text=text)
+        out._packed = (t.token_ids, t.logprobs)
+        return out
     return s.TrajectoryPublic(
         id=t.id,
         question_id=t.question_id,
@@ -207,6 +224,11 @@ def trajectory_public(
 
 def decode_payload(r: s.Payload, where: str) -> tuple[np.ndarray, np.ndarray] | None:
     """(int32 ids, float32 log-probs) of a rollout, validated; None if it carries no payload."""
+    if isinstance(r, s.RolloutResult) and r._packed is not None:
+        # from a binary frame: checked with the whole request
+        return np.frombuffer(r._packed[0], dtype=s.ID_DTYPE), np.frombuffer(
+            r._packed[1], dtype=s.LOGPROB_DTYPE
+        )
     lps: npt.NDArray[np.floating[Any]]
     try:
         if r.token_ids is not None:

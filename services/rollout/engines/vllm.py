@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 EXTENSION = "exgrpo_rollout.engines.vllm_ext.WeightReloader"
 RELOAD_METHOD = "exgrpo_reload_weights"
+LOAD_URI_METHOD = "exgrpo_load_uri"
 
 
 def _sampled_logprob(position: Any, token: int) -> float:
@@ -192,3 +193,24 @@ class VLLMEngine:
         counts = self.llm.collective_rpc(RELOAD_METHOD, args=(str(path),))
         self.llm.reset_prefix_cache()
         log.info("vllm weights reloaded from %s (%s tensors per worker)", path, counts)
+
+    def load_policy_uri(self, uri: str) -> None:
+        """Load an http:// or shm:// policy: every vLLM worker fetches it itself
+        (`exgrpo_rollout.weights.load_policy` calls this for those uris)."""
+        counts = self.llm.collective_rpc(LOAD_URI_METHOD, args=(uri,))
+        self.llm.reset_prefix_cache()
+        log.info("vllm weights loaded from %s (%s tensors per worker)", uri, counts)
+
+    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> list[int]:
+        """Every vLLM worker joins the trainer's NCCL weight-update group; their ranks. Blocks until
+        the trainer joins too (`exgrpo_rollout.engines.vllm_nccl.connect`)."""
+        return list(
+            self.llm.collective_rpc("exgrpo_init_weight_group", args=(host, port, rank_offset, world_size))
+        )
+
+    def receive_weights(self, specs: list[Any]) -> list[int]:
+        """Receive the trainer's broadcast of `specs` (`vllm_ext.weight_specs`) into every worker;
+        tensors loaded per worker. Blocks until the trainer has sent them all."""
+        counts = list(self.llm.collective_rpc("exgrpo_receive_weights", args=(specs,)))
+        self.llm.reset_prefix_cache()
+        return counts

@@ -22,18 +22,57 @@ when their weight is only shared, so the LM head is processed again here (measur
 Parameters are copied in place, so captured CUDA graphs stay valid. The caller must reset the
 prefix cache afterwards: cached KV blocks were computed with the old weights.
 
+Other ways in (each a method the engine calls through ``collective_rpc``):
+
+- ``exgrpo_load_uri(uri)``: an ``http://`` (the trainer's weight server) or ``shm://`` (shared
+  memory) policy, fetched by each worker itself (`exgrpo_rollout.weights.fetch_state`): the tensors
+  never cross the engine's process boundary as RPC arguments;
+- NCCL, for a trainer on other GPUs: ``exgrpo_init_weight_group(host, port, rank_offset,
+  world_size)`` joins a process group of its own with the trainer (rank 0; vLLM's
+  ``StatelessProcessGroup`` and ``PyNcclCommunicator``, so vLLM's own groups are untouched), then
+  ``exgrpo_receive_weights(specs)`` receives one broadcast per ``(name, dtype, shape)`` of `specs`
+  (`weight_specs` of the trainer's state dict, in the order it sends) and streams them into the
+  same reload path. The trainer side is `exgrpo_rollout.engines.vllm_nccl`.
+
 This module is imported inside vLLM's worker processes: it must stay importable with only
-``torch`` and ``safetensors`` (both vLLM dependencies) and import nothing else of this project.
+``torch`` and ``safetensors`` (both vLLM dependencies) and `exgrpo_rollout.weights` (standard
+library and torch); vLLM itself is imported inside the NCCL methods only.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WeightReloader", "iter_safetensors", "refresh_tied_lm_head", "safetensors_files"]
+import torch
+
+__all__ = [
+    "WeightReloader",
+    "WeightSpec",
+    "iter_safetensors",
+    "received_tensors",
+    "refresh_tied_lm_head",
+    "safetensors_files",
+    "spec_dtype",
+    "weight_specs",
+]
+
+WeightSpec = tuple[str, str, list[int]]
+"""One broadcast tensor: Hugging Face name, torch dtype name ("bfloat16"), shape."""
+
+
+def weight_specs(tensors: Mapping[str, torch.Tensor]) -> list[WeightSpec]:
+    """The (name, dtype, shape) of each tensor, in the order the trainer broadcasts them."""
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()]
+
+
+def spec_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"weight spec: {name!r} is not a torch dtype")
+    return dtype
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -65,15 +104,46 @@ class WeightReloader:
     """Mixed into vLLM's worker class; `self.model_runner` is the worker's model runner."""
 
     model_runner: Any
+    device: Any
+    _exgrpo_comm: Any = None
 
     def exgrpo_reload_weights(self, path: str) -> int:
         """Load the weights at `path` into this worker's model; returns the number of tensors read."""
-        files = safetensors_files(path)
+        return self._exgrpo_load(iter_safetensors(safetensors_files(path)))
+
+    def exgrpo_load_uri(self, uri: str) -> int:
+        """Fetch an http:// or shm:// policy in this worker and load it; the number of tensors."""
+        from exgrpo_rollout.weights import fetch_state
+
+        return self._exgrpo_load(iter(fetch_state(uri).items()))
+
+    def exgrpo_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> int:
+        """Join the trainer's weight-update group (the trainer is rank 0); this worker's rank in it."""
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.parallel_state import get_world_group
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        rank = int(get_world_group().rank) + rank_offset
+        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
+        self._exgrpo_comm = PyNcclCommunicator(group, device=self.device)
+        return rank
+
+    def exgrpo_receive_weights(self, specs: Sequence[Sequence[Any]]) -> int:
+        """Receive one broadcast per (name, dtype, shape) from rank 0 and load them; the count."""
+        comm = self._exgrpo_comm
+        if comm is None:
+            raise RuntimeError("exgrpo_receive_weights before exgrpo_init_weight_group")
+        return self._exgrpo_load(received_tensors(comm, specs, self.device))
+
+    def exgrpo_close_weight_group(self) -> None:
+        self._exgrpo_comm = None
+
+    def _exgrpo_load(self, items: Iterable[tuple[str, Any]]) -> int:
         count = 0
 
         def counted() -> Iterator[tuple[str, Any]]:
             nonlocal count
-            for item in iter_safetensors(files):
+            for item in items:
                 count += 1
                 yield item
 
@@ -86,6 +156,17 @@ class WeightReloader:
             self.model_runner.model.load_weights(weights=counted())
         refresh_tied_lm_head(self.model_runner.model)
         return count
+
+
+def received_tensors(comm: Any, specs: Sequence[Sequence[Any]], device: Any) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for each spec, each tensor filled by `comm.broadcast(tensor, src=0)` as the
+    consumer asks for it (one tensor in flight, not a second copy of the model)."""
+    for spec in specs:
+        name, dtype, shape = spec
+        tensor = torch.empty([int(d) for d in shape], dtype=spec_dtype(str(dtype)), device=device)
+        stream = torch.cuda.current_stream() if tensor.is_cuda else None
+        comm.broadcast(tensor, src=0, stream=stream)
+        yield str(name), tensor
 
 
 def refresh_tied_lm_head(model: Any) -> bool:

@@ -17,14 +17,16 @@ from exgrpo_pool.api.deps import (
     RunLeaseDep,
     WritePool,
 )
+from exgrpo_pool.api.wire import FrameRoute, WireDep, frame_answer, frame_body
 from exgrpo_pool.service import batches, tasks
 
-router = APIRouter(prefix="/v1/pools/{pool}", tags=["batches"])
+router = APIRouter(prefix="/v1/pools/{pool}", tags=["batches"], route_class=FrameRoute)
 
 
-@router.get("/batches/{batch_id}", response_model=s.BatchPlan)
-async def show_batch(batch_id: BatchId, pool: ReadPool, ctx: ContextDep) -> s.BatchPlan:
-    return await batches.get_batch_plan(ctx, pool, batch_id)
+@router.get("/batches/{batch_id}", response_model=s.BatchPlan, responses=frame_answer(s.BatchPlan))
+async def show_batch(batch_id: BatchId, pool: ReadPool, ctx: ContextDep, wire: WireDep) -> object:
+    with wire.answering():
+        return wire.respond(await batches.get_batch_plan(ctx, pool, batch_id))
 
 
 @router.get("/batches/{batch_id}/status", response_model=s.BatchStatusPublic)
@@ -32,7 +34,11 @@ async def batch_status(batch_id: BatchId, pool: ReadPool, ctx: ContextDep) -> s.
     return await tasks.batch_status(ctx, pool, batch_id)
 
 
-@router.post("/batches/{batch_id}/commit", response_model=s.CommitResult)
+@router.post(
+    "/batches/{batch_id}/commit",
+    response_model=s.CommitResult,
+    openapi_extra=frame_body(s.BatchCommit, "The batch's graded groups"),
+)
 async def commit_batch(
     batch_id: BatchId,
     body: s.BatchCommit,
@@ -40,7 +46,9 @@ async def commit_batch(
     ctx: ContextDep,
     idem: IdempotencyDep,
     lease: RunLeaseDep,
+    wire: WireDep,
 ) -> object:
+    wire.attach(body)
     return await idem.run(lambda: batches.commit_batch(ctx, pool, batch_id, body, lease))
 
 

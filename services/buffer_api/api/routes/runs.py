@@ -16,10 +16,11 @@ from exgrpo_pool.api.deps import (
     RunName,
     WritePool,
 )
+from exgrpo_pool.api.wire import FrameRoute, WireDep, frame_answer, frame_body
 from exgrpo_pool.service import batches, leases, tasks
 from exgrpo_pool.service import pools as svc
 
-router = APIRouter(prefix="/v1/pools/{pool}/runs", tags=["runs"])
+router = APIRouter(prefix="/v1/pools/{pool}/runs", tags=["runs"], route_class=FrameRoute)
 
 
 @router.post("", response_model=s.RunPublic, status_code=201)
@@ -127,7 +128,9 @@ async def list_policy_versions(run: RunName, pool: ReadPool, ctx: ContextDep) ->
     return await svc.list_policy_versions(ctx, pool, run)
 
 
-@router.post("/{run}/batches", response_model=s.BatchPlan, status_code=201)
+@router.post(
+    "/{run}/batches", response_model=s.BatchPlan, status_code=201, responses=frame_answer(s.BatchPlan, 201)
+)
 async def plan_batch(
     run: RunName,
     body: s.BatchCreate,
@@ -135,16 +138,23 @@ async def plan_batch(
     ctx: ContextDep,
     idem: IdempotencyDep,
     lease: RunLeaseDep,
+    wire: WireDep,
 ) -> object:
-    return await idem.run(
-        lambda: batches.plan_batch(ctx, pool, run, body, lease),
-        status_code=201,
-        reference=lambda plan: {"batch_id": plan.id},
-        resolve=lambda ref: batches.get_batch_plan(ctx, pool, ref["batch_id"]),
-    )
+    with wire.answering():
+        return await idem.run(
+            lambda: batches.plan_batch(ctx, pool, run, body, lease),
+            status_code=201,
+            reference=lambda plan: {"batch_id": plan.id},
+            resolve=lambda ref: batches.get_batch_plan(ctx, pool, ref["batch_id"]),
+            respond=wire.respond,
+        )
 
 
-@router.post("/{run}/ingest", response_model=s.CommitResult)
+@router.post(
+    "/{run}/ingest",
+    response_model=s.CommitResult,
+    openapi_extra=frame_body(s.IngestRequest, "The graded groups"),
+)
 async def ingest(
     run: RunName,
     body: s.IngestRequest,
@@ -152,15 +162,18 @@ async def ingest(
     ctx: ContextDep,
     idem: IdempotencyDep,
     lease: RunLeaseDep,
+    wire: WireDep,
 ) -> object:
+    wire.attach(body)
     return await idem.run(lambda: batches.ingest(ctx, pool, run, body, lease))
 
 
-@router.post("/{run}/select", response_model=s.SelectResult)
+@router.post("/{run}/select", response_model=s.SelectResult, responses=frame_answer(s.SelectResult))
 async def select_replay(
-    run: RunName, body: s.SelectRequest, pool: ReadPool, ctx: ContextDep
-) -> s.SelectResult:
-    return await batches.select_replay(ctx, pool, run, body)
+    run: RunName, body: s.SelectRequest, pool: ReadPool, ctx: ContextDep, wire: WireDep
+) -> object:
+    with wire.answering():
+        return wire.respond(await batches.select_replay(ctx, pool, run, body))
 
 
 @router.post("/{run}/tasks/claim", response_model=s.TasksPublic)
