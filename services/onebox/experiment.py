@@ -265,6 +265,10 @@ class RunResult:
     evals: list[dict[str, Any]]
     """[{step, rollouts, accuracy}] in order, the first before training."""
     metrics: list[dict[str, Any]]
+    diagnostics: list[dict[str, Any]] = field(default_factory=list)
+    """Per step: what was replayed (`exgrpo_onebox.diagnostics`); empty for runs before it existed."""
+    replay_counts: dict[str, int] = field(default_factory=dict)
+    """Questions replayed n times, per n, at the end of the run."""
 
     @property
     def switch_step(self) -> int | None:
@@ -277,8 +281,90 @@ def load_runs(out: Path, arm: str, seeds: Sequence[int]) -> list[RunResult]:
         folder = _run_dir(out, arm, seed)
         if not (folder / "summary.json").exists():
             continue
-        runs.append(RunResult(seed, read_jsonl(folder / "eval.jsonl"), read_jsonl(folder / "metrics.jsonl")))
+        summary = json.loads((folder / "summary.json").read_text())
+        runs.append(
+            RunResult(
+                seed,
+                read_jsonl(folder / "eval.jsonl"),
+                read_jsonl(folder / "metrics.jsonl"),
+                read_jsonl(folder / "diagnostics.jsonl"),
+                dict(summary.get("replay_counts") or {}),
+            )
+        )
     return runs
+
+
+def auc(run: RunResult) -> float:
+    """Area under held-out accuracy vs generated rollouts (trapezoids from the evaluation before
+    training to the last), divided by the rollouts spanned: the run's mean accuracy over its budget."""
+    xs = [float(e["rollouts"]) for e in run.evals]
+    ys = [float(e["accuracy"]) for e in run.evals]
+    if len(xs) < 2 or xs[-1] <= xs[0]:
+        return ys[-1]
+    area = sum((xs[i + 1] - xs[i]) * (ys[i + 1] + ys[i]) / 2 for i in range(len(xs) - 1))
+    return area / (xs[-1] - xs[0])
+
+
+def rollouts_to_reach(run: RunResult, target: float) -> float | None:
+    """Generated rollouts at the first evaluation whose accuracy is >= `target` (None: never)."""
+    return next((float(e["rollouts"]) for e in run.evals if float(e["accuracy"]) >= target), None)
+
+
+def grpo_target(run: RunResult) -> float:
+    """GRPO's final accuracy as a target to reach: the mean of its last three evaluations (one
+    evaluation alone has a sampling error of about 0.02-0.03)."""
+    return _late(run)
+
+
+PHASES = ("early", "middle", "late")
+DIAG_KEYS = (
+    ("actor/entropy", "metrics"),
+    ("is/w_mean", "metrics"),
+    ("is/w_max", "metrics"),
+    ("is/fw_mean", "metrics"),
+    ("batch/solved", "metrics"),
+    ("replay/age_mean", "diagnostics"),
+    ("replay/age_max", "diagnostics"),
+    ("replay/times_mean", "diagnostics"),
+)
+"""Per-step series averaged per third of a run (`phase_diagnostics`)."""
+
+
+def _thirds(n: int) -> list[range]:
+    return [range(n * i // 3, n * (i + 1) // 3) for i in range(3)]
+
+
+def phase_diagnostics(runs: Sequence[RunResult]) -> dict[str, dict[str, float]]:
+    """Per third of the runs (by step): the mean over steps and seeds of entropy, importance weights,
+    batch solved fraction, staleness and repeats of replays; the share of replayed questions from
+    each bucket and of the pool's eligible questions in each bucket."""
+    out: dict[str, dict[str, float]] = {}
+    for p, name in enumerate(PHASES):
+        vals: dict[str, list[float]] = {}
+        replay_b: dict[int, float] = {}
+        pool_b: dict[int, float] = {}
+        for r in runs:
+            for source in ("metrics", "diagnostics"):
+                rows = r.metrics if source == "metrics" else r.diagnostics
+                part = [rows[i] for i in _thirds(len(rows))[p]]
+                for key, src in DIAG_KEYS:
+                    if src == source:
+                        vals.setdefault(key, []).extend(float(m[key]) for m in part if key in m)
+                for m in part:
+                    for k, v in m.items():
+                        if k.startswith("replay/bucket_"):
+                            b = int(k.rsplit("_", 1)[1])
+                            replay_b[b] = replay_b.get(b, 0.0) + float(v)
+                        elif k.startswith("experience/bucket_"):
+                            b = int(k.rsplit("_", 1)[1])
+                            pool_b[b] = pool_b.get(b, 0.0) + float(v)
+        entry = {k: sum(v) / len(v) for k, v in vals.items() if v}
+        for prefix, counts in (("replay_share_bucket_", replay_b), ("pool_share_bucket_", pool_b)):
+            total = sum(counts.values())
+            for b, c in sorted(counts.items()):
+                entry[f"{prefix}{b}"] = c / total if total else 0.0
+        out[name] = entry
+    return out
 
 
 def summarize(out: Path, arms: Sequence[Arm], seeds: Sequence[int]) -> dict[str, Any]:
@@ -334,6 +420,39 @@ def summarize(out: Path, arms: Sequence[Arm], seeds: Sequence[int]) -> dict[str,
             for m in r.metrics
         ]
         entry["replay_share"] = sum(replay) / len(replay) if replay else 0.0
+        entry["auc"] = _stats([auc(r) for r in runs])
+        grpo_runs = bases["grpo"]
+        if grpo_runs:
+            reach: list[float | None] = []
+            budget: list[float] = []
+            paired_auc: list[float] = []
+            for r in runs:
+                g = grpo_runs.get(r.seed)
+                if g is None:
+                    continue
+                reach.append(rollouts_to_reach(r, grpo_target(g)))
+                budget.append(float(g.evals[-1]["rollouts"]))
+                paired_auc.append(auc(r) - auc(g))
+            got = [x for x in reach if x is not None]
+            entry["reach"] = {
+                "per_seed": reach,
+                "reached": len(got),
+                "of": len(reach),
+                "fraction_of_grpo_budget": [
+                    None if x is None else x / b for x, b in zip(reach, budget, strict=True)
+                ],
+            }
+            if got:
+                entry["reach"]["rollouts"] = _stats(got)
+            if paired_auc and arm.name != "grpo":
+                entry["auc_vs_grpo"] = _stats(paired_auc)
+        entry["phases"] = phase_diagnostics(runs)
+        counts: dict[int, int] = {}
+        for r in runs:
+            for n, c in r.replay_counts.items():
+                counts[int(n)] = counts.get(int(n), 0) + int(c)
+        if counts:
+            entry["replay_counts"] = {str(n): c for n, c in sorted(counts.items())}
         table[arm.name] = entry
     return table
 
@@ -378,6 +497,44 @@ def _markdown(table: dict[str, Any]) -> str:
     lines.append(
         "evals': each run's mean over its last three evaluations. 'replay share': replayed / all questions."
     )
+    lines += [
+        "",
+        "## Rollouts to reach GRPO's final accuracy, and area under the curve",
+        "",
+        "| arm | seeds that reach it | rollouts to reach (mean over those) | share of GRPO's budget "
+        "(per seed) | AUC (mean accuracy over the budget) | AUC vs GRPO (paired) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, e in table.items():
+        reach = e.get("reach")
+        if reach is None:
+            continue
+        rollouts = reach.get("rollouts")
+        shares = ", ".join("—" if x is None else f"{x:.2f}" for x in reach["fraction_of_grpo_budget"])
+        vs = e.get("auc_vs_grpo")
+        reach_text = "—" if rollouts is None else f"{rollouts['mean']:.0f}"
+        vs_text = "—" if vs is None else f"{vs['mean']:+.3f} ± {vs['std']:.3f}"
+        lines.append(
+            f"| {name} | {reach['reached']} of {reach['of']} | {reach_text} | {shares} | "
+            f"{_pm(e['auc'])} | {vs_text} |"
+        )
+    lines += [
+        "",
+        "Target per seed: the mean of GRPO's last three evaluations on that seed. Reached: the first",
+        "evaluation at or above it. AUC: trapezoids of accuracy vs generated rollouts over the budget.",
+    ]
+    lines += ["", "## Diagnostics per third of the run (mean over steps and seeds)", ""]
+    keys = [k for k, _ in DIAG_KEYS]
+    lines.append(
+        "| arm | third | " + " | ".join(keys) + " | replayed from buckets 6-7 | pool in buckets 6-7 |"
+    )
+    lines.append("|---|---|" + "---|" * (len(keys) + 2))
+    for name, e in table.items():
+        for phase, d in e.get("phases", {}).items():
+            cells = [f"{d[k]:.3g}" if k in d else "—" for k in keys]
+            hi_r = sum(v for k, v in d.items() if k in ("replay_share_bucket_6", "replay_share_bucket_7"))
+            hi_p = sum(v for k, v in d.items() if k in ("pool_share_bucket_6", "pool_share_bucket_7"))
+            lines.append(f"| {name} | {phase} | " + " | ".join(cells) + f" | {hi_r:.2f} | {hi_p:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -428,11 +585,122 @@ def _plots(out: Path, table: dict[str, Any], runs: dict[str, list[RunResult]]) -
     return made
 
 
+def _mean_series(rows_per_run: list[list[dict[str, Any]]], key: str, smooth: int = 1) -> tuple[list, list]:
+    """(step, mean over runs of `key`) over the steps every run has, a trailing `smooth`-step mean."""
+    n = min((len(r) for r in rows_per_run), default=0)
+    xs, ys = [], []
+    for i in range(n):
+        vals = [float(r[i][key]) for r in rows_per_run if key in r[i]]
+        if vals:
+            xs.append(i + 1)
+            ys.append(sum(vals) / len(vals))
+    if smooth > 1:
+        ys = [
+            sum(ys[max(0, i - smooth + 1) : i + 1]) / len(ys[max(0, i - smooth + 1) : i + 1])
+            for i in range(len(ys))
+        ]
+    return xs, ys
+
+
+def _stacked(ax: Any, rows_per_run: list[list[dict[str, Any]]], prefix: str, share: bool) -> None:
+    """Stacked mean over runs of the `prefix<k>` series per step (as shares of their sum with `share`)."""
+    n = min((len(r) for r in rows_per_run), default=0)
+    keys = sorted(
+        {int(k.rsplit("_", 1)[1]) for r in rows_per_run for m in r for k in m if k.startswith(prefix)}
+    )
+    if not n or not keys:
+        return
+    stack = []
+    for b in keys:
+        stack.append(
+            [
+                sum(float(r[i].get(f"{prefix}{b}", 0.0)) for r in rows_per_run) / len(rows_per_run)
+                for i in range(n)
+            ]
+        )
+    if share:
+        totals = [sum(col) or 1.0 for col in zip(*stack, strict=True)]
+        stack = [[v / t for v, t in zip(row, totals, strict=True)] for row in stack]
+    colors = [plt.get_cmap("viridis")(b / 8) for b in keys]  # one colour per bucket in every panel
+    ax.stackplot(list(range(1, n + 1)), stack, labels=[f"k={b}" for b in keys], colors=colors)
+    ax.legend(loc="upper left", fontsize=6, ncol=4)
+
+
+def _diagnostics_plot(out: Path, table: dict[str, Any], runs: dict[str, list[RunResult]]) -> Path | None:
+    """Late-run diagnostics: entropy, importance weights, staleness and repeats per step for every
+    arm; ExGRPO's pool bucket histogram and replayed questions by bucket over the run; held-out
+    accuracy by level for GRPO and ExGRPO."""
+    if not table:
+        return None
+    replaying = next((n for n in ("exgrpo", *table) if n in table and n != "grpo"), None)
+    fig, axes = plt.subplots(2, 3, figsize=(17, 8.5))
+    for name in table:
+        metrics = [r.metrics for r in runs[name]]
+        diag = [r.diagnostics for r in runs[name]]
+        axes[0][0].plot(*_mean_series(metrics, "actor/entropy", 5), label=name, lw=1)
+        if name != "grpo":
+            axes[0][1].plot(*_mean_series(metrics, "is/w_mean", 5), label=f"{name} mean", lw=1)
+            axes[1][0].plot(*_mean_series(diag, "replay/age_mean", 5), label=f"{name} age", lw=1)
+            axes[1][1].plot(*_mean_series(diag, "replay/times_mean", 5), label=f"{name} times", lw=1)
+    for ax, title, ylabel in (
+        (axes[0][0], "Policy entropy (5-step mean over seeds)", "mean token entropy"),
+        (axes[0][1], "Importance weight of replayed tokens", "w = pi_theta / pi_past, mean"),
+        (axes[1][0], "Staleness of replayed trajectories", "steps since collection"),
+        (axes[1][1], "Times the replayed questions have been replayed", "times so far (mean)"),
+    ):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    if replaying is not None:
+        _stacked(axes[0][2], [r.metrics for r in runs[replaying]], "experience/bucket_", share=False)
+        axes[0][2].set_title(f"{replaying}: pool bucket histogram (mean over seeds)")
+        axes[0][2].set_xlabel("step")
+        axes[0][2].set_ylabel("eligible questions")
+        _stacked(axes[1][2], [r.diagnostics for r in runs[replaying]], "replay/bucket_", share=True)
+        axes[1][2].set_title(f"{replaying}: replayed questions by bucket (share)")
+        axes[1][2].set_xlabel("step")
+        axes[1][2].set_ylabel("share of replayed questions")
+    return save_figure(fig, out / "plots" / "diagnostics.png", dpi=90)
+
+
+def _level_plot(out: Path, table: dict[str, Any], runs: dict[str, list[RunResult]]) -> Path | None:
+    """Held-out accuracy by level vs rollouts, GRPO (dashed) and ExGRPO (solid), mean over seeds."""
+    names = [n for n in ("grpo", "exgrpo") if n in table]
+    if not names:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors: dict[str, Any] = {}
+    for name in names:
+        rs = runs[name]
+        points = min(len(r.evals) for r in rs)
+        sources = sorted({k for r in rs for e in r.evals for k in e.get("per_source", {})})
+        for src in sources:
+            xs = [sum(float(r.evals[i]["rollouts"]) for r in rs) / len(rs) for i in range(points)]
+            ys = [
+                sum(float(r.evals[i].get("per_source", {}).get(src, 0.0)) for r in rs) / len(rs)
+                for i in range(points)
+            ]
+            (line,) = ax.plot(
+                xs, ys, "--" if name == "grpo" else "-", color=colors.get(src), label=f"{name} {src}", lw=1.2
+            )
+            colors[src] = line.get_color()
+    ax.set_xlabel("generated rollouts")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title("Held-out accuracy by level (dashed: GRPO)")
+    ax.legend(fontsize=6, ncol=2)
+    return save_figure(fig, out / "plots" / "levels.png", dpi=90)
+
+
 def write_results(out: Path, arms: Sequence[Arm], seeds: Sequence[int]) -> Path:
     table = summarize(out, arms, seeds)
     (out / "results.json").write_text(json.dumps(table, indent=2) + "\n")
     runs = {name: load_runs(out, name, seeds) for name in table}
     plots = _plots(out, table, runs)
+    plots += [
+        p for p in (_diagnostics_plot(out, table, runs), _level_plot(out, table, runs)) if p is not None
+    ]
     body = ["# GRPO vs ExGRPO and ablations", "", _markdown(table)]
     body += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = out / "results.md"

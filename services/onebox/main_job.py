@@ -31,6 +31,7 @@ from exgrpo_client import Client
 from exgrpo_client.io import read_questions
 from exgrpo_client.logs import LogLines, configured_format, file_handler
 from exgrpo_onebox.config import MainJobOptions, OneBoxConfig, ResolvedJob, resolve, warm_start_path
+from exgrpo_onebox.diagnostics import RecordingClient, StepDiagnostics, replay_count_histogram
 from exgrpo_onebox.prepare import prepare_pool
 from exgrpo_onebox.report import write_report
 from exgrpo_onebox.synthetic import make_splits, write_parquet
@@ -93,7 +94,7 @@ def run_main_job(opts: MainJobOptions) -> Path:
     settings = Settings(
         database_url=db_url, allow_anonymous=True, host="127.0.0.1", port=_free_port(), log_level="WARNING"
     )
-    with serve_in_thread(settings) as srv, Client(srv.url) as client:
+    with serve_in_thread(settings) as srv, RecordingClient(srv.url) as client:
         console.print(f"pool service: {srv.url} (embedded, SQLite {out / 'pool.db'})")
         cfg.run.pool_url = srv.url
         (out / "config.yaml").write_text(cfg.to_yaml())  # the trainer writes the same at its start
@@ -102,8 +103,10 @@ def run_main_job(opts: MainJobOptions) -> Path:
         evaluator = _Evaluator(heldout_rows, cfg, client, console)
         evaluator.baseline(model_dir)
         budget = cfg.job.rollouts
+        diagnostics = StepDiagnostics(client, out / "diagnostics.jsonl")
 
         def on_step(trainer: Trainer, metrics: dict[str, float]) -> bool:
+            diagnostics.on_step(trainer.step)
             before = evaluator.rollouts
             evaluator.rollouts += int(metrics.get("batch/generated", 0))
             spent = budget is not None and evaluator.rollouts >= budget
@@ -129,6 +132,7 @@ def run_main_job(opts: MainJobOptions) -> Path:
             "questions per step": cfg.experience.batch_size,
             "rollouts per question": cfg.pool.k,
             "held-out questions": len(heldout_rows),
+            "replays per question (times: questions)": replay_count_histogram(client.replays) or "none",
             "wall time": f"{elapsed / 60:.1f} min",
         }
         report = write_report(out, title=f"ExGRPO one-box run ({cfg.run.name})", facts=facts)
@@ -140,6 +144,7 @@ def run_main_job(opts: MainJobOptions) -> Path:
                 {"step": e["step"], "rollouts": e["rollouts"], "accuracy": e["accuracy"]} for e in evals
             ],
             "rollouts": evaluator.rollouts,
+            "replay_counts": {str(n): c for n, c in replay_count_histogram(client.replays).items()},
             "wall_seconds": round(elapsed, 1),
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,7 +1,8 @@
 """Run report: plots of a run folder's metrics and evaluations, and a Markdown summary.
 
-Inputs: `metrics.jsonl` (one line per step, written by the trainer) and `eval.jsonl` (one line per
-held-out evaluation: {"step": int, "accuracy": float, "per_source": {...}}). Outputs next to them:
+Inputs: `metrics.jsonl` (one line per step, written by the trainer), `eval.jsonl` (one line per
+held-out evaluation: {"step": int, "accuracy": float, "per_source": {...}}) and `diagnostics.jsonl`
+(one line per step: what was replayed, `exgrpo_onebox.diagnostics`). Outputs next to them:
 `report.md` and `plots/*.png`.
 """
 
@@ -92,7 +93,77 @@ def make_plots(run_dir: Path) -> dict[str, Path]:
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper left", fontsize=8)
     plots["pool"] = save_figure(fig, out / "pool.png")
+    plots["diagnostics"] = diagnostics_figure(metrics, read_jsonl(run_dir / "diagnostics.jsonl"), evals, out)
     return plots
+
+
+def _keyed(rows: list[dict[str, Any]], prefix: str) -> list[int]:
+    return sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith(prefix)})
+
+
+def diagnostics_figure(
+    metrics: list[dict[str, Any]], diag: list[dict[str, Any]], evals: list[dict[str, Any]], out: Path
+) -> Path:
+    """Per step: policy entropy and the importance weights of replayed tokens; replayed questions by
+    bucket; staleness and repeats of replays; held-out accuracy by level."""
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
+    ax = axes[0][0]
+    xs, ys = _series(metrics, "actor/entropy")
+    if xs:
+        ax.plot(xs, ys, color="tab:blue", label="entropy (update)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean token entropy")
+    ax2 = ax.twinx()
+    for key, style in (("is/w_mean", "-"), ("is/fw_mean", ":")):
+        xs, ys = _series(metrics, key)
+        if xs:
+            ax2.plot(xs, ys, style, color="tab:red", label=key, lw=1)
+    ax2.set_ylabel("importance weight (replayed tokens)")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper right")
+    ax.set_title("Entropy and importance weights")
+
+    ax = axes[0][1]
+    buckets = _keyed(diag, "replay/bucket_")
+    steps = [int(r["step"]) for r in diag]
+    if buckets and steps:
+        stack = [[float(r.get(f"replay/bucket_{b}", 0.0)) for r in diag] for b in buckets]
+        ax.stackplot(steps, stack, labels=[f"k={b}" for b in buckets])
+        ax.legend(loc="upper left", fontsize=7, ncol=2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("replayed questions")
+    ax.set_title("Replayed questions by bucket (latest success count)")
+
+    ax = axes[1][0]
+    for key, label in (("replay/age_mean", "age, mean"), ("replay/age_max", "age, max")):
+        xs, ys = _series(diag, key)
+        if xs:
+            ax.plot(xs, ys, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("steps since collection")
+    ax2 = ax.twinx()
+    xs, ys = _series(diag, "replay/times_mean")
+    if xs:
+        ax2.plot(xs, ys, color="tab:purple", ls=":", label="times replayed (mean)")
+    ax2.set_ylabel("times replayed so far")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
+    ax.set_title("Staleness and repeats of replayed trajectories")
+
+    ax = axes[1][1]
+    sources = sorted({k for e in evals for k in e.get("per_source", {})})
+    for src in sources:
+        pts = [(int(e["step"]), float(e["per_source"][src])) for e in evals if src in e.get("per_source", {})]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, label=src)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_ylim(0, 1)
+    if sources:
+        ax.legend(fontsize=7)
+    ax.set_title("Held-out accuracy by level")
+    return save_figure(fig, out / "diagnostics.png")
 
 
 def write_report(run_dir: Path, *, title: str, facts: dict[str, Any]) -> Path:
@@ -132,6 +203,8 @@ def write_report(run_dir: Path, *, title: str, facts: dict[str, Any]) -> Path:
             "experience/replay_share",
             "loss/total",
             "actor/entropy",
+            "is/w_mean",
+            "is/w_max",
             "response/length_mean",
             "timing/step",
         ):

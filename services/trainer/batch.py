@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -38,6 +38,8 @@ class StepBatch:
     """One per slot; a replayed slot carries its chosen trajectory (reward filled by grading)."""
     ground_truths: list[str]
     """Gold answer of each slot."""
+    replay_ids: dict[int, int] = field(default_factory=dict)
+    """The stored trajectory replayed, per replayed question (sent with its group on commit)."""
 
     @property
     def k(self) -> int:
@@ -78,7 +80,8 @@ def prepare_batch(
             PlannedQuestion(question_id=fresh.question_id, prompt_ids=prompt_ids[fresh.question_id])
         )
         golds.append(fresh.ground_truth)
-    return StepBatch(plan=plan, questions=questions, ground_truths=golds)
+    replay_ids = {q: t.id for q, t in chosen.items()}
+    return StepBatch(plan=plan, questions=questions, ground_truths=golds, replay_ids=replay_ids)
 
 
 def choose_replays(
@@ -186,5 +189,8 @@ def commit_groups(
                 )
             else:
                 rollouts.append(rollout(row.reward, None, None, entropy=ent, finish_reason=finish[i]))
-        groups.append(s.GroupResult(question_id=q.question_id, rollouts=rollouts))
+        replay_id = batch.replay_ids.get(q.question_id) if q.replay is not None else None
+        groups.append(
+            s.GroupResult(question_id=q.question_id, rollouts=rollouts, replay_trajectory_id=replay_id)
+        )
     return groups
