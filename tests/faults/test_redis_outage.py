@@ -101,3 +101,55 @@ async def test_redis_paused_during_a_commit_then_answering_with_old_data(own_red
         assert sel["num_eligible"] == stats["eligible"] > 0
         nxt = await plan_batch(client)
         assert nxt["num_eligible"] == stats["eligible"]
+
+
+async def test_writes_during_an_outage_tell_the_truth(own_redis: OwnRedis) -> None:
+    """Redis down for a commit (with stats), its retry, and an ingest: each was written to the
+    database, so each answers its result (never a 5xx saying nothing changed); a retry with the
+    same key answers the committed result, during the outage and after it."""
+    async with serve(own_redis.backend.settings(redis_timeout_s=0.3)) as client:
+        await setup_pool(client, questions=48, phase="mixed")
+        plan = await plan_batch(client)
+        ok(await commit_batch(client, plan, make_groups(plan, correct_first(lambda q: 2))))
+        plan = await plan_batch(client)
+        body = {
+            **make_groups(plan, correct_first(lambda q: 2), lambda q, row: [q, row, 9]),
+            "with_stats": True,
+        }
+        before = await _db_view(client)
+
+        own_redis.redis.kill()
+        try:
+            first = await commit_batch(client, plan, body, **{"Idempotency-Key": "outage-commit"})
+            assert first.status_code == 200, first.text
+            result = first.json()
+            assert result["step"] == 2 and result["stored_trajectories"] > 0
+            assert result["stats"]["step"] == 2 and result["stats"]["eligible"] > 0
+            again = await commit_batch(client, plan, body, **{"Idempotency-Key": "outage-commit"})
+            assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+            assert again.json() == result
+            # the same groups without the key: the batch is committed with them, the same answer
+            assert ok(await commit_batch(client, plan, body)) == result
+            ingest = await client.post(
+                "/v1/pools/p1/runs/r1/ingest",
+                json={
+                    "groups": make_groups(plan, correct_first(lambda q: 1), lambda q, row: [q, row, 11])[
+                        "groups"
+                    ][:2]
+                },
+            )
+            assert ingest.status_code == 200, ingest.text
+            stored = result["stored_trajectories"] + ingest.json()["stored_trajectories"]
+            assert await _db_view(client) == {
+                **before,
+                "step": 2,
+                "trajectories": before["trajectories"] + stored,
+            }
+        finally:
+            own_redis.redis.start()  # back, empty
+        replay = await commit_batch(client, plan, body, **{"Idempotency-Key": "outage-commit"})
+        assert replay.status_code == 200 and replay.json() == result
+        # the index is rebuilt from the database on its next use
+        stats = await run_stats(client)
+        nxt = await plan_batch(client)
+        assert nxt["step"] == 3 and nxt["num_eligible"] == stats["eligible"] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from exgrpo_pool import faults
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+log = logging.getLogger("exgrpo.pool")
 
 
 def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: object) -> None:
@@ -109,19 +112,28 @@ class Database:
             finally:
                 _shared.reset(token)
         for callback in shared.after_commit:
-            await callback()
+            await _follow_up(callback)
 
     async def after_commit(self, callback: Callable[[], Awaitable[None]]) -> None:
         """Run `callback` after the current `transaction()` commits, or now outside of one (the
         caller's own transaction has ended then). It must not raise: the write stands."""
         shared = self._joined()
         if shared is None:
-            await callback()
+            await _follow_up(callback)
         else:
             shared.after_commit.append(callback)
 
     async def close(self) -> None:
         await self.engine.dispose()
+
+
+async def _follow_up(callback: Callable[[], Awaitable[None]]) -> None:
+    """Run what follows a committed write. Its failure is logged, never raised: the write stands,
+    and its answer must say so (not a 5xx that says nothing changed)."""
+    try:
+        await callback()
+    except Exception:
+        log.exception("a follow-up of a committed write failed; the write stands")
 
 
 def alembic_config(url: str) -> AlembicConfig:
