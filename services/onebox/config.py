@@ -14,6 +14,8 @@ Each setting has one owner; what other components need is derived from it here, 
     rollout.max_new_tokens                            also loss.max_response_len (trainer config) and
                                                       job.eval_max_new_tokens, unless set
     experience.enabled                                also the default run name (exgrpo / grpo)
+    job.workers                                       also rollout.engine: remote with workers,
+                                                      unless given (then it must be remote)
 
 Layers, later wins: the recipe file, the command line's flags (`--seed`, `--out`, `--model`,
 `--grpo`, `--heldout`, `--rollouts`), settings given as data (an experiment arm's), then
@@ -67,6 +69,10 @@ class JobSection(BaseModel):
     rollouts: int | None = Field(None, ge=1)
     """Rollout budget (`--rollouts`): the run ends on the step that reaches it, and run.steps defaults
     to just past it."""
+    workers: int = Field(0, ge=0, le=64)
+    """Rollout worker processes (`--workers`): 0, the trainer generates (rollout.engine=colocated);
+    N >= 1, N `exgrpo rollout` processes against the embedded service generate every batch
+    (rollout.engine=remote, synchronous unless rollout.max_policy_lag says otherwise)."""
     family: str = "arithmetic"
     """Synthetic task family of the training and held-out questions (`exgrpo_onebox.synthetic.FAMILIES`):
     `arithmetic` or `calibrated`; not used with --data."""
@@ -107,6 +113,17 @@ class OneBoxConfig(TrainConfig):
             exp[key] = pool[pool_key] = value
         if job.get("eval_max_new_tokens") is None:
             job["eval_max_new_tokens"] = rollout.get("max_new_tokens", TrainConfig().rollout.max_new_tokens)
+        workers = job.get("workers") or 0
+        if workers and rollout.get("engine", "colocated") != "remote":
+            raise ValueError(
+                f"job.workers={workers} generates with rollout workers: set rollout.engine=remote"
+            )
+        if not workers and rollout.get("max_policy_lag"):
+            raise ValueError(
+                "rollout.max_policy_lag (asynchronous generation) needs rollout workers: --workers N"
+            )
+        if not workers and rollout.get("engine") == "remote":
+            raise ValueError("rollout.engine=remote in the one-box job needs its workers: --workers N")
         run.setdefault("pool", "main")
         run.setdefault("name", "exgrpo" if exp.get("enabled", True) else "grpo")
         return {**sections, "experience": exp, "pool": pool, "job": job, "run": run}
@@ -168,6 +185,10 @@ class MainJobOptions:
     """job.heldout_questions."""
     rollouts: int | None = None
     """job.rollouts: the rollout budget."""
+    workers: int | None = None
+    """job.workers: rollout worker processes (0: the trainer generates)."""
+    max_policy_lag: int | None = None
+    """rollout.max_policy_lag: with workers, 0 synchronous (default), N >= 1 asynchronous."""
     settings: Mapping[str, Any] = field(default_factory=dict)
     """Settings as nested data, e.g. {"experience": {"ratio": 0.25}} (an experiment arm's)."""
     overrides: list[str] = field(default_factory=list)
@@ -213,7 +234,9 @@ def _flags(opts: MainJobOptions) -> dict[str, Any]:
         flags["model"] = {"path": opts.model}
     if opts.grpo:
         flags["experience"] = {"enabled": False}
-    job = {"heldout_questions": opts.heldout, "rollouts": opts.rollouts}
+    if opts.max_policy_lag is not None:
+        flags["rollout"] = {"max_policy_lag": opts.max_policy_lag}
+    job = {"heldout_questions": opts.heldout, "rollouts": opts.rollouts, "workers": opts.workers}
     flags["job"] = {k: v for k, v in job.items() if v is not None}
     return flags
 
@@ -249,6 +272,8 @@ def resolve(opts: MainJobOptions) -> ResolvedJob:
         if key in JOB_SET:
             raise ValueError(f"{key}: set by the one-box job ({JOB_SET[key]})")
     data = _merge(_merge(recipe, _flags(opts)), given)
+    if (data.get("job") or {}).get("workers") and "rollout.engine" not in _keys(given):
+        data = _merge(data, {"rollout": {"engine": "remote"}})  # the recipe's engine is the colocated one
     run, model = dict(data.get("run") or {}), dict(data.get("model") or {})
     out = run.get("output_dir") or Path("exgrpo-data/runs") / time.strftime("%Y%m%d-%H%M%S")
     run["output_dir"] = Path(out).resolve()
