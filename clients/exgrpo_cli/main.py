@@ -263,6 +263,24 @@ def run_job(
         int | None,
         typer.Option(min=1, help="Rollout budget: stop after this many generated rollouts, not run.steps."),
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Rollout worker processes generating every batch against the embedded service "
+            "(rollout.engine=remote); 0: the trainer generates.",
+            show_default="0",
+        ),
+    ] = None,
+    max_policy_lag: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="With --workers: 0 synchronous (exact), N >= 1 asynchronous generation at most N "
+            "policy versions behind (rollout.max_policy_lag).",
+            show_default="0",
+        ),
+    ] = None,
     overrides: Annotated[
         list[str] | None,
         typer.Argument(
@@ -297,6 +315,8 @@ def run_job(
             seed=seed,
             heldout=heldout,
             rollouts=rollouts,
+            workers=workers,
+            max_policy_lag=max_policy_lag,
             overrides=list(overrides or []),
         )
     )
