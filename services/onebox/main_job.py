@@ -20,6 +20,8 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
@@ -32,6 +34,7 @@ from exgrpo_client.io import read_questions
 from exgrpo_client.logs import LogLines, configured_format, file_handler
 from exgrpo_onebox.config import MainJobOptions, OneBoxConfig, ResolvedJob, resolve, warm_start_path
 from exgrpo_onebox.diagnostics import RecordingClient, StepDiagnostics, replay_count_histogram
+from exgrpo_onebox.fleet import WorkerFleet
 from exgrpo_onebox.prepare import prepare_pool
 from exgrpo_onebox.report import write_report
 from exgrpo_onebox.synthetic import make_splits, write_parquet
@@ -120,7 +123,8 @@ def run_main_job(opts: MainJobOptions) -> Path:
 
         # the trainer's modules load here; on the job's client, the held-out accuracy it posts
         # carries the run's writer lease that the trainer holds
-        exgrpo_trainer.run_training(cfg, client=client, on_step=on_step)
+        with _workers(srv.url, cfg, model_dir, console) as fleet:
+            exgrpo_trainer.run_training(cfg, client=client, on_step=on_step)
         elapsed = time.perf_counter() - started
         evals = evaluator.history
         facts = {
@@ -144,6 +148,7 @@ def run_main_job(opts: MainJobOptions) -> Path:
                 {"step": e["step"], "rollouts": e["rollouts"], "accuracy": e["accuracy"]} for e in evals
             ],
             "rollouts": evaluator.rollouts,
+            "workers": {} if fleet is None else fleet.exit_codes,
             "replay_counts": {str(n): c for n, c in replay_count_histogram(client.replays).items()},
             "wall_seconds": round(elapsed, 1),
         }
@@ -190,6 +195,32 @@ def warm_started_model(opts: MainJobOptions, console: Console) -> Path:
 
     with console.status("preparing the warm-started model (first run only)"):
         return prepare_model(warm_start_path(opts), seed=0, quick=opts.quick)
+
+
+@contextmanager
+def _workers(url: str, cfg: OneBoxConfig, model: Path, console: Console) -> Iterator[WorkerFleet | None]:
+    """`job.workers` rollout worker processes serving the run (None without workers), started from
+    the job's model, logging to workers/w<i>.log; stopped at the end (SIGTERM, then SIGKILL)."""
+    if cfg.job.workers == 0:
+        yield None
+        return
+    folder = cfg.run.output_dir / "workers"
+    fleet = WorkerFleet(
+        url, cfg, model, folder, count=cfg.job.workers, log_format=configured_format() or "plain"
+    )
+    mode = (
+        "synchronous: every batch generated with the trainer's current weights"
+        if cfg.rollout.max_policy_lag == 0
+        else f"asynchronous, at most {cfg.rollout.max_policy_lag} versions behind"
+    )
+    try:
+        with console.status(f"starting {cfg.job.workers} rollout workers (logs in {folder})"):
+            fleet.start()
+        console.print(f"rollout workers: {', '.join(fleet.names)} ({mode})")
+        yield fleet
+    finally:
+        fleet.stop()
+        console.print(f"rollout workers stopped (exit codes {fleet.exit_codes})")
 
 
 def _prepare_model(job: ResolvedJob, opts: MainJobOptions, console: Console) -> Path:
