@@ -157,17 +157,23 @@ def graded_rows(
     return rows, finish
 
 
+def mean_entropies(per_token: Sequence[Sequence[float]]) -> list[float | None]:
+    """Each row's mean token entropy (None for a row without any)."""
+    return [float(np.mean(e)) if len(e) else None for e in per_token]
+
+
 def commit_groups(
     batch: StepBatch,
     rows: Sequence[Row],
     finish: Sequence[Finish | None],
-    old_logprobs: Sequence[Sequence[float]],
-    old_entropy: Sequence[Sequence[float]],
+    logprobs: Sequence[Sequence[float]],
+    entropy: Sequence[float | None],
     decode: Callable[[list[int]], str] | None = None,
 ) -> list[s.GroupResult]:
-    """One group per slot: every row's reward and mean entropy; a correct generated row also carries
-    its tokens and pi_old log-probs (the behaviour policy stored with a collected trajectory) and,
-    with `decode`, its text (stored with it for people to read)."""
+    """One group per slot: every row's reward and mean entropy (`entropy`, one per row); a correct
+    generated row also carries its tokens and `logprobs` (the behaviour policy stored with a
+    collected trajectory as pi_past: the trainer's pi_old, or the sampler's own log-probs when
+    generation is asynchronous) and, with `decode`, its text (stored with it for people to read)."""
     by_group: dict[int, list[int]] = defaultdict(list)
     for i, row in enumerate(rows):
         by_group[row.group].append(i)
@@ -176,11 +182,11 @@ def commit_groups(
         rollouts = []
         for i in by_group[g]:
             row = rows[i]
-            ent = float(np.mean(old_entropy[i])) if old_entropy[i] else None
+            ent = entropy[i]
             if row.replayed:
                 rollouts.append(rollout(row.reward, None, None, entropy=ent, replayed=True))
             elif row.reward == 1.0 and row.response_ids:
-                lps = np.minimum(old_logprobs[i], 0.0)
+                lps = np.minimum(logprobs[i], 0.0)
                 text = decode(row.response_ids) if decode is not None else None
                 rollouts.append(
                     rollout(

@@ -48,6 +48,9 @@ class RunSection(_Section):
     stops (`exgrpo train --takeover`)."""
     lease_wait_s: float = Field(0.0, ge=0)
     """At start, wait up to this long for another trainer's lease to expire before giving up."""
+    retry_budget_s: float = Field(600.0, ge=0)
+    """How long a call to the pool service is retried (with backoff) before the trainer gives up,
+    e.g. while the service restarts; writes carry idempotency keys, so a retried write applies once."""
 
 
 class ModelSection(_Section):
@@ -69,6 +72,11 @@ class ModelSection(_Section):
 class RolloutSection(_Section):
     engine: Literal["colocated", "remote"] = "colocated"
     """colocated: the trainer generates with its own model; remote: rollout workers claim tasks."""
+    max_policy_lag: int = Field(0, ge=0, le=1000)
+    """Remote engine only. 0 (synchronous): every batch is generated with exactly the trainer's
+    current weights (published every step). N >= 1 (asynchronous): the next batch is generated while
+    the trainer updates, with any published version at most N steps older than the weights it is
+    trained with; fresh tokens are corrected with the sampler's log-probs (docs/training.md)."""
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(512, ge=1)
@@ -125,7 +133,9 @@ class OptimSection(_Section):
 
 class ScheduleSection(_Section):
     publish_every: int = Field(10, ge=0)
-    """Publish weights (safetensors + policy version on the service) every N steps; 0 = never."""
+    """Publish weights (safetensors + policy version on the service) every N steps; 0 = never.
+    Colocated engine only: with rollout.engine=remote the trainer publishes every step (the workers
+    generate each batch with the version it names), whatever this says."""
     checkpoint_every: int = Field(50, ge=0)
     """Save a resumable checkpoint every N steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -179,7 +189,18 @@ class TrainConfig(_Section):
     def _check(self) -> TrainConfig:
         if self.rollout.min_new_tokens > self.rollout.max_new_tokens:
             raise ValueError("rollout.min_new_tokens must not exceed rollout.max_new_tokens")
+        if self.rollout.max_policy_lag > 0 and self.rollout.engine != "remote":
+            raise ValueError(
+                "rollout.max_policy_lag > 0 (asynchronous generation) needs rollout.engine=remote: "
+                "the colocated engine always generates with the current weights; set "
+                "rollout.max_policy_lag=0 or rollout.engine=remote"
+            )
         return self
+
+    @property
+    def asynchronous(self) -> bool:
+        """Remote generation overlapping the update, at most `rollout.max_policy_lag` versions old."""
+        return self.rollout.engine == "remote" and self.rollout.max_policy_lag > 0
 
     @property
     def max_response_len(self) -> int:

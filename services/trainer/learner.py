@@ -14,7 +14,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -48,6 +48,8 @@ class LearnResult:
     """pi_old of every row's response tokens (the weights before this step's first update)."""
     old_entropy: list[list[float]]
     metrics: dict[str, float]
+    first_minibatch: list[int]
+    """Row indices of the step's first mini-batch (its pi_old came from its own update forward)."""
 
 
 class Learner:
@@ -147,13 +149,24 @@ class Learner:
         return [all_lp[i] for i in idx], [all_ent[i] for i in idx]
 
     # ------------------------------------------------------------------------------- update
-    def learn(self, rows: list[Row], *, mixed: bool, step: int) -> LearnResult:
+    def learn(self, rows: list[Row], *, mixed: bool, step: int, decoupled: bool = False) -> LearnResult:
         """Old log-probs (pi_old) and entropies of `rows`, advantages, and the policy update of
         training step `step` (its mini-batch shuffle is seeded by it).
 
         pi_old is the policy before the step's first optimizer step, so the first mini-batch takes
         it from its own update forward, detached (the same weights give the same numbers, without a
-        second forward pass); only the rows of later mini-batches are scored beforehand."""
+        second forward pass); only the rows of later mini-batches are scored beforehand.
+
+        `decoupled` (asynchronous generation): pi_old is the proximal policy and the fresh rows'
+        sampler log-probs (`Row.behaviour_logprobs`) the behaviour policy of the decoupled loss;
+        every fresh row must carry them."""
+        if decoupled:
+            missing = [i for i, r in enumerate(rows) if not r.replayed and r.behaviour_logprobs is None]
+            if missing:
+                raise ValueError(
+                    f"{len(missing)} generated rows have no sampler log-probs: asynchronous generation "
+                    "(rollout.max_policy_lag > 0) needs workers that report them"
+                )
         parts = self.mini_batches(len(rows), step)
         old_lp: list[list[float]] = [[] for _ in rows]
         old_ent: list[list[float]] = [[] for _ in rows]
@@ -178,10 +191,10 @@ class Learner:
                 )
         adv = row_advantages(rows, use_std=self.loss_cfg.advantage_std)
         with self.timer.part("update"):
-            metrics, first = self._update(rows, parts, old_lp, adv, mixed, ref_lp)
+            metrics, first = self._update(rows, parts, old_lp, adv, mixed, ref_lp, decoupled)
         for i, (row_lp, row_ent) in first.items():
             old_lp[i], old_ent[i] = row_lp, row_ent
-        return LearnResult(old_lp, old_ent, metrics)
+        return LearnResult(old_lp, old_ent, metrics, sorted(parts[0]) if parts else [])
 
     def mini_batches(self, num_rows: int, step: int) -> list[list[int]]:
         """Row indices of a step's mini-batches: a seeded shuffle, dealt round-robin."""
@@ -198,6 +211,7 @@ class Learner:
         adv: list[float],
         mixed: bool,
         ref_lp: list[list[float]] | None,
+        decoupled: bool,
     ) -> tuple[dict[str, float], FirstPass]:
         """The optimizer steps, one per mini-batch. Returns the update metrics, and the log-probs and
         entropies of the first mini-batch's rows (its pi_old, from its update forward)."""
@@ -214,7 +228,7 @@ class Learner:
             for mb in mbs:
                 record = first if index == 0 else None
                 m = self._micro_step(
-                    rows, old_lp, adv, [mine[j] for j in mb], mixed, n_tokens, record, ref_lp
+                    rows, old_lp, adv, [mine[j] for j in mb], mixed, n_tokens, record, ref_lp, decoupled
                 )
                 if m:
                     collected.append({**m, "_minibatch": float(index)})
@@ -246,10 +260,12 @@ class Learner:
         n_tokens: float,
         record: FirstPass | None,
         ref_lp: list[list[float]] | None,
+        decoupled: bool,
     ) -> dict[str, float]:
         """Forward, loss and backward of one micro-batch. With `record` (the first mini-batch, before
         any optimizer step of this step), pi_old is this forward's own log-probs, detached, and the
-        rows' log-probs and entropies are stored in `record`; otherwise pi_old is `old_lp`."""
+        rows' log-probs and entropies are stored in `record`; otherwise pi_old is `old_lp`. With
+        `decoupled`, the fresh rows' sampler log-probs go to the loss as the behaviour policy."""
         dummy = not chosen
         if dummy:  # keep the collectives in step with the other ranks; contributes no gradient
             chosen = [0]
@@ -278,6 +294,11 @@ class Learner:
                     n = len(rows[i].response_ids)
                     record[i] = (lp_rows[j, :n].tolist(), ent_rows[j, :n].tolist())
         replay_mask = torch.tensor([[r.replayed] for r in sel], device=self.device).expand_as(rmask) & rmask
+        decoupled_args: dict[str, Any] = (
+            {"behaviour_logprobs": padded([None if r.replayed else r.behaviour_logprobs for r in sel])}
+            if decoupled
+            else {}
+        )  # the synchronous call stays exactly the loss without a behaviour policy
         loss, metrics = self.loss(
             lp.float(),
             old_logprobs=old,
@@ -289,6 +310,7 @@ class Learner:
             entropy=ent,
             num_loss_tokens=n_tokens,
             ref_logprobs=None if ref_lp is None else padded([ref_lp[i] for i in chosen]),
+            **decoupled_args,
         )
         (loss * (0.0 if dummy else float(dist.world()))).backward()
         if dummy:

@@ -3,8 +3,10 @@
 Rank 0 holds the HTTP client; every method is called on every rank and returns the same value on
 all of them (rank 0 asks, the answer is broadcast; an error of rank 0 is raised on every rank).
 Retries follow the SDK client's retry policy: writes carry idempotency keys, so a retried plan or
-commit is applied once. The session owns the run while it is attached: it holds the run's writer
-lease (`ownership.RunLeaseKeeper`), which every write carries.
+commit is applied once; a commit refused because its batch is already committed is reconciled by
+reading the batch's status (the pool's result wins, nothing is guessed). The session owns the run
+while it is attached: it holds the run's writer lease (`ownership.RunLeaseKeeper`), which every
+write carries.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ class PoolSession:
         send_metrics: bool = True,
     ) -> None:
         """`rules` are the run's batch-level rules (from the trainer's experience section); a
-        `client` passed in stays open for its owner, else rank 0 opens one on `run.pool_url`."""
+        `client` passed in stays open for its owner, else rank 0 opens one on `run.pool_url` that
+        retries each call for up to `run.retry_budget_s` (a pool restart of minutes is ridden
+        through)."""
         self.run = run
         self.rules = rules
         self.send_metrics = send_metrics
@@ -62,7 +66,11 @@ class PoolSession:
         self.client = (
             client
             if client is not None
-            else (Client(run.pool_url, token=run.token) if dist.is_main() else None)
+            else (
+                Client(run.pool_url, token=run.token, retry_budget_s=run.retry_budget_s)
+                if dist.is_main()
+                else None
+            )
         )
         self._sender: RunMetricsSender | None = None
         self._held: tuple[int, dict[str, float]] | None = None
@@ -158,13 +166,29 @@ class PoolSession:
         run = client.get_run(cfg.pool, cfg.name)  # as its owner left it
         return RunState(step=run.step, policy_version=run.policy_version, created_at=run.created_at)
 
-    def plan(self, *, create_tasks: bool) -> s.BatchPlan:
+    def plan(
+        self,
+        *,
+        create_tasks: bool,
+        policy_version: int | None = None,
+        min_policy_version: int | None = None,
+        sampling: s.SamplingParams | None = None,
+    ) -> s.BatchPlan:
         """The next batch (every replayed question with all its candidates, for rescoring); then the
-        previous step's late metrics go out in the background."""
+        previous step's late metrics go out in the background. With `create_tasks`, its generation
+        tasks are generated with `policy_version` (exactly, or any published version from
+        `min_policy_version` on) and `sampling`. An open batch (planned before a restart) comes back
+        as it was planned."""
         plan: s.BatchPlan = self._on_main(
             self._write,
             lambda: self._main().plan_batch(
-                self.run.pool, self.run.name, candidates="all", create_tasks=create_tasks
+                self.run.pool,
+                self.run.name,
+                candidates="all",
+                create_tasks=create_tasks,
+                policy_version=policy_version,
+                min_policy_version=min_policy_version,
+                sampling=sampling,
             ),
         )
         self._release_late_metrics()
@@ -176,12 +200,31 @@ class PoolSession:
         """Commit the step's groups (collection rules apply on the service, in one transaction); the
         answer carries the run's stats after the commit."""
         sent = {k: v for k, v in metrics.items() if math.isfinite(v)} if self.send_metrics else {}
-        result: s.CommitResult = self._on_main(
-            self._write,
-            lambda: self._main().commit_batch(
-                self.run.pool, plan.id, groups, policy_version=policy_version, metrics=sent, with_stats=True
-            ),
-        )
+
+        def send() -> s.CommitResult:
+            client = self._main()
+            try:
+                return client.commit_batch(
+                    self.run.pool,
+                    plan.id,
+                    groups,
+                    policy_version=policy_version,
+                    metrics=sent,
+                    with_stats=True,
+                )
+            except Conflict:
+                status = client.batch_status(self.run.pool, plan.id)
+                if status.status != "committed" or status.result is None:
+                    raise  # refused for another reason (the run's lease, a re-planned batch)
+                # committed already (an earlier attempt whose answer was lost): the pool's result
+                log.warning(
+                    "batch %s (step %d) was already committed: using the pool's result of that commit",
+                    plan.id,
+                    status.step,
+                )
+                return status.result
+
+        result: s.CommitResult = self._on_main(self._write, send)
         return result
 
     def publish(self, version: int, uri: str, step: int) -> None:
@@ -192,6 +235,15 @@ class PoolSession:
                 self.run.pool, self.run.name, version=version, uri=uri, step=step
             ),
         )
+
+    def published_versions(self) -> list[int]:
+        """The run's published policy versions, oldest first."""
+        versions: list[int] = self._on_main(
+            lambda: sorted(
+                v.version for v in self._main().list_policy_versions(self.run.pool, self.run.name).data
+            )
+        )
+        return versions
 
     # -------------------------------------------------------------------- remote generation
     def batch_results(self, batch_id: str, wait: float) -> s.BatchResults:

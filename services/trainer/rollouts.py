@@ -2,14 +2,16 @@
 
 A rollout source turns a `StepBatch` into, per question slot, `q.num_generations(K)` samples (K for
 a fresh question, K-1 for a replayed one): `ColocatedRollouts` generates with the trainer's own
-weights, `RemoteRollouts` waits for the rollout workers to complete the batch's generation tasks.
-`Grader` rewards responses on rank 0. Every method is called on every rank and returns the same
-value on all of them.
+weights, `RemoteRollouts` waits for the rollout workers to complete the batch's generation tasks
+(and keeps what they report: the sampler's log-probs and mean entropies, and the policy version
+each group was generated with). `Grader` rewards responses on rank 0. Every method is called on
+every rank and returns the same value on all of them.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
@@ -27,11 +29,34 @@ from exgrpo_trainer.model import generation_view, unsharded
 from exgrpo_trainer.pool_session import PoolSession
 
 
+@dataclass
+class Generated:
+    """A step's generated samples, slot by slot, with what the sampler reported about them."""
+
+    samples: list[list[Completion]]
+    """Per question slot, its `q.num_generations(K)` samples."""
+    versions: list[int] | None = None
+    """Per slot, the policy version its samples were generated with (remote workers; a group whose
+    worker did not say counts as the batch's planned version). None: the trainer's own weights."""
+    entropies: list[list[float | None]] | None = None
+    """Per slot and sample, the sampler's mean token entropy (remote workers), if reported."""
+
+
 class RolloutSource(Protocol):
     remote: bool
     """Whether the batch's generation is done by rollout workers (the plan must create tasks)."""
 
-    def generate(self, batch: StepBatch) -> list[list[Completion]]: ...
+    def generate(self, batch: StepBatch) -> Generated: ...
+
+
+def sampling_params(cfg: RolloutSection) -> s.SamplingParams:
+    """The trainer's sampling settings as a plan sends them with its generation tasks."""
+    return s.SamplingParams(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_tokens=cfg.max_new_tokens,
+        min_tokens=min(cfg.min_new_tokens, cfg.max_new_tokens),
+    )
 
 
 class ColocatedRollouts:
@@ -55,12 +80,12 @@ class ColocatedRollouts:
             record=False,  # the update recomputes log-probs and entropies of every generated row
         )
 
-    def generate(self, batch: StepBatch) -> list[list[Completion]]:
+    def generate(self, batch: StepBatch) -> Generated:
         slots = [i for i, q in enumerate(batch.questions) for _ in range(q.num_generations(batch.k))]
         out: list[list[Completion]] = [[] for _ in batch.questions]
         mine, per = split_even(slots, dist.world(), dist.rank())
         if per == 0:
-            return out
+            return Generated(out)
         mine += [slots[0]] * (per - len(mine))  # equal work on every rank (throw-away pads)
         sampling = SamplingConfig(
             n=1,
@@ -76,7 +101,7 @@ class ColocatedRollouts:
         flat = [c for part in gathered for c in part][: len(slots)]
         for i, c in zip(slots, flat, strict=True):
             out[i].append(c)
-        return out
+        return Generated(out)
 
 
 class RemoteRollouts:
@@ -90,12 +115,12 @@ class RemoteRollouts:
         self.tokenizer = tokenizer
         self.cfg = cfg
 
-    def generate(self, batch: StepBatch) -> list[list[Completion]]:
+    def generate(self, batch: StepBatch) -> Generated:
         out = self._collect(batch) if dist.is_main() else None
-        samples: list[list[Completion]] = dist.broadcast(out)
-        return samples
+        generated: Generated = dist.broadcast(out)
+        return generated
 
-    def _collect(self, batch: StepBatch) -> list[list[Completion]]:
+    def _collect(self, batch: StepBatch) -> Generated:
         plan_id = batch.plan.id
         deadline = time.monotonic() + self.cfg.results_timeout_s
         while True:
@@ -114,10 +139,13 @@ class RemoteRollouts:
                     f"batch {plan_id}: workers did not finish within rollout.results_timeout_s"
                 )
         by_slot = {(g.question_id, g.replayed): g for g in res.groups}
-        return [
-            [self._completion(r) for r in by_slot[(q.question_id, q.replayed)].rollouts]
-            for q in batch.questions
-        ]
+        groups = [by_slot[(q.question_id, q.replayed)] for q in batch.questions]
+        planned = batch.plan.policy_version
+        return Generated(
+            samples=[[self._completion(r) for r in g.rollouts] for g in groups],
+            versions=[planned if g.policy_version is None else g.policy_version for g in groups],
+            entropies=[[r.entropy for r in g.rollouts] for g in groups],
+        )
 
     def _completion(self, r: s.RolloutResult) -> Completion:
         ids = list(r.token_ids if r.token_ids is not None else s.unpack_ids(r.token_ids_b64 or ""))

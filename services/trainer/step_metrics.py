@@ -1,7 +1,8 @@
 """A step's metrics: the timing split, the batch summary, and the merge of micro-batch metrics.
 
 Pure bookkeeping over floats; the components record into one `StepTimer` per step, the learner's
-micro-batch metrics are merged by `merge_update_metrics`, and `batch_metrics` summarises the rows.
+micro-batch metrics are merged by `merge_update_metrics`, `batch_metrics` summarises the rows, and
+`policy_lag` / `logprob_gap` say how far the samples were from the policy that learns from them.
 """
 
 from __future__ import annotations
@@ -40,16 +41,17 @@ def batch_metrics(
     rows: Sequence[Row],
     finish: Sequence[str | None],
     slots: Sequence[bool],
-    old_entropy: Sequence[Sequence[float]],
+    old_entropy: Sequence[Sequence[float]] | None,
     mixed: bool,
 ) -> dict[str, float]:
-    """The step's `batch/*`, `response/*` and `actor/old_entropy` metrics. `slots` holds one
-    `replayed` flag per question slot; `finish` one finish reason per row (None for replayed rows)."""
+    """The step's `batch/*`, `response/*` and `actor/old_entropy` metrics (that one only with
+    `old_entropy`, the entropies under pi_old). `slots` holds one `replayed` flag per question slot;
+    `finish` one finish reason per row (None for replayed rows)."""
     rewards = [r.reward for r in rows]
     generated = [r for r in rows if not r.replayed]
     lengths = [len(r.response_ids) for r in generated]
     truncated = sum(1 for f in finish if f == "length")
-    return {
+    out = {
         "batch/solved": float(np.mean([x == 1.0 for x in rewards])) if rewards else 0.0,
         "batch/reward_mean": float(np.mean(rewards)) if rewards else 0.0,
         "batch/questions": float(len(slots)),
@@ -59,9 +61,35 @@ def batch_metrics(
         "response/length_mean": float(np.mean(lengths)) if lengths else 0.0,
         "response/length_max": float(max(lengths)) if lengths else 0.0,
         "response/truncated_frac": truncated / max(1, len(generated)),
-        "actor/old_entropy": float(np.mean([np.mean(e) for e in old_entropy if e])) if old_entropy else 0.0,
         "phase/mixed": float(mixed),
     }
+    if old_entropy is not None:
+        means = [np.mean(e) for e in old_entropy if e]
+        out["actor/old_entropy"] = float(np.mean(means)) if means else 0.0
+    return out
+
+
+def policy_lag(trainer_version: int, versions: Sequence[int]) -> float:
+    """`rollout/policy_lag_max`: the trainer's policy version at the update minus the oldest version
+    the step's fresh rollouts were generated with (0 when every one used the trainer's weights)."""
+    return float(trainer_version - min(versions)) if versions else 0.0
+
+
+def logprob_gap(
+    rows: Sequence[Row], old_logprobs: Sequence[Sequence[float]], indices: Sequence[int]
+) -> float | None:
+    """`rollout/logprob_gap`: the mean |sampler log-prob - trainer pi_old log-prob| over the generated
+    tokens of the rows `indices` (the first mini-batch, whose pi_old is exact); None when none of them
+    carries sampler log-probs."""
+    total, count = 0.0, 0
+    for i in indices:
+        row = rows[i]
+        if row.replayed or not row.behaviour_logprobs:
+            continue
+        n = min(len(row.behaviour_logprobs), len(old_logprobs[i]))
+        total += float(np.abs(np.subtract(row.behaviour_logprobs[:n], old_logprobs[i][:n])).sum())
+        count += n
+    return total / count if count else None
 
 
 def merge_update_metrics(per_rank: list[list[dict[str, float]]]) -> dict[str, float]:
@@ -113,6 +141,13 @@ def _merge_key(
         if k.endswith("_min"):
             return float(min(vals))
         return float(weighted(weights["replay"]))
+    if k.startswith("actor/behav"):  # the decoupled loss's behaviour weights, over fresh tokens
+        vals = [m[k] for m, n in zip(parts, weights["fresh"], strict=True) if n > 0 and k in m]
+        if k.endswith("_max"):
+            return float(max(vals, default=0.0))
+        if k.endswith("_min"):
+            return float(min(vals, default=0.0))
+        return float(weighted(weights["fresh"]))
     if k.startswith("actor/ratio"):
         return float(weighted(weights["fresh"]))
     if k.endswith("_max"):

@@ -10,7 +10,14 @@ import pytest
 from exgrpo_client import rollout
 from exgrpo_client import schemas as s
 from exgrpo_rollout.engines.base import Completion
-from exgrpo_trainer.batch import choose_replays, commit_groups, graded_rows, grading_items, prepare_batch
+from exgrpo_trainer.batch import (
+    choose_replays,
+    commit_groups,
+    graded_rows,
+    grading_items,
+    mean_entropies,
+    prepare_batch,
+)
 from exgrpo_trainer.config import ExperienceSection
 
 K = 3
@@ -103,7 +110,9 @@ def test_entropy_choice_then_slots_rows_and_commit_groups() -> None:
 
     old_lp = [[-0.2] * len(r.response_ids) for r in rows]
     old_ent = [[0.4] * len(r.response_ids) for r in rows]
-    groups = commit_groups(batch, rows, finish, old_lp, old_ent, decode=lambda ids: "+".join(map(str, ids)))
+    groups = commit_groups(
+        batch, rows, finish, old_lp, mean_entropies(old_ent), decode=lambda ids: "+".join(map(str, ids))
+    )
     assert [g.question_id for g in groups] == [7, 7, 9]
     assert [r.replayed for r in groups[0].rollouts] == [True, False, False]
     correct = [r for g in groups for r in g.rollouts if r.token_ids_b64 is not None]

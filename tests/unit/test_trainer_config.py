@@ -120,6 +120,18 @@ def test_token_is_masked_in_dumps_and_the_dump_loads_back(tmp_path: Path) -> Non
     assert again == cfg
 
 
+def test_asynchronous_generation_needs_remote_workers() -> None:
+    with pytest.raises(ValidationError) as refused:
+        load_config(None, ["rollout.max_policy_lag=2"])
+    assert "rollout.max_policy_lag > 0 (asynchronous generation) needs rollout.engine=remote" in (
+        format_config_error(refused.value)
+    )
+    assert load_config(None, ["rollout.engine=remote", "rollout.max_policy_lag=2"]).asynchronous
+    synchronous = load_config(None, ["rollout.engine=remote"])
+    assert synchronous.rollout.max_policy_lag == 0 and not synchronous.asynchronous
+    assert synchronous.run.retry_budget_s == 600.0  # ten minutes of pool outage by default
+
+
 # -------------------------------------------------------------------------------------- recipes
 def test_recipes_hold_the_spec_defaults() -> None:
     assert {"exgrpo", "grpo"} <= set(recipes())
