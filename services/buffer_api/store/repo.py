@@ -549,7 +549,10 @@ async def claim_pool_tasks(
     if run_ids is not None:
         runs = runs.where(Task.run_id.in_(list(run_ids)))
     for run_id, first_id in (await session.execute(runs)).all():
-        first = await session.get(Task, first_id)
+        # plain values, not a mapped Task: the claim below must load the rows it locks afresh
+        first = (
+            await session.execute(select(Task.policy_version, Task.policy_exact).where(Task.id == first_id))
+        ).one_or_none()
         if first is None:
             continue
         same_sampling = select(Task.sampling).where(Task.id == first_id).scalar_subquery()
