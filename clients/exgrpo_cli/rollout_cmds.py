@@ -1,8 +1,9 @@
-"""`exgrpo rollout` (a rollout worker serving a run's generation tasks) and `exgrpo eval` (benchmark
-evaluation, spec section 9.1). Both need the rollout extra (torch, transformers, math-verify), or
-vLLM for `--engine vllm`; they import it only when run.
+"""`exgrpo rollout` (a rollout worker serving the generation tasks of one or more runs and pools)
+and `exgrpo eval` (benchmark evaluation, spec section 9.1). Both need the rollout extra (torch,
+transformers, math-verify), or vLLM for `--engine vllm`; they import it only when run.
 
     exgrpo rollout --pool math --run r1 --model models/base --grader math_think
+    exgrpo rollout --pool math --pool code --all-runs --engine vllm
     exgrpo eval --model out/published/v000100 --data test.id.parquet --out samples.jsonl
 """
 
@@ -64,6 +65,21 @@ def _options(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def _runs_or_all(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
+    """`--run` (repeatable) or `--all-runs`: exactly one of them (checked by whichever of the two
+    options is parsed second)."""
+    other = "all_runs" if param.name == "run" else "run"
+    if ctx.resilient_parsing or other not in ctx.params:
+        return value
+    runs = value if param.name == "run" else ctx.params["run"]
+    all_runs = value if param.name == "all_runs" else ctx.params["all_runs"]
+    if runs and all_runs:
+        raise typer.BadParameter("give --run R (repeatable) or --all-runs, not both")
+    if not runs and not all_runs:
+        raise typer.BadParameter("give --run R (repeatable) or --all-runs (every run of the pools)")
+    return value
+
+
 def _ctx_value(ctx: typer.Context, name: str) -> Any:
     # the app callback of exgrpo_cli.main stores url/token/json on ctx.obj
     return getattr(ctx.obj, name, None)
@@ -72,14 +88,36 @@ def _ctx_value(ctx: typer.Context, name: str) -> Any:
 # ------------------------------------------------------------------------------------- rollout
 def rollout(
     ctx: typer.Context,
-    pool: Annotated[str, typer.Option("--pool", envvar="EXGRPO_POOL", help="Pool name.")],
-    run: Annotated[
-        str, typer.Option("--run", envvar="EXGRPO_RUN", help="Run whose generation tasks to serve.")
+    pool: Annotated[
+        list[str],
+        typer.Option(
+            "--pool", envvar="EXGRPO_POOL", help="Pool to serve (repeatable: claims go to each in turn)."
+        ),
     ],
+    run: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--run",
+            envvar="EXGRPO_RUN",
+            callback=_runs_or_all,
+            help="Run whose generation tasks to serve (repeatable; the service picks the run of "
+            "each claim fairly).",
+        ),
+    ] = None,
+    all_runs: Annotated[
+        bool,
+        typer.Option(
+            "--all-runs", callback=_runs_or_all, help="Serve every run of the pools (instead of --run)."
+        ),
+    ] = False,
     engine: Annotated[Engine, typer.Option("--engine", help="Generation engine.")] = "transformers",
     model: Annotated[
         Path | None,
-        typer.Option("--model", help="Model folder (HF format). Default: the run's newest published policy."),
+        typer.Option(
+            "--model",
+            help="Model folder (HF format) to start from; serves runs that published no policy. "
+            "Default: the newest policy published by the served runs.",
+        ),
     ] = None,
     grader: Annotated[
         str, typer.Option("--grader", help="Reward: math_think, boxed, choice, arithmetic or pkg.mod:fn.")
@@ -99,13 +137,21 @@ def rollout(
     idle_exit: Annotated[
         float | None, typer.Option("--idle-exit", help="Exit 0 after this many seconds without tasks.")
     ] = None,
-    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature.")] = 1.0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")] = 1.0,
+    temperature: Annotated[
+        float,
+        typer.Option(
+            "--temperature", help="Sampling temperature, for tasks that carry no sampling settings."
+        ),
+    ] = 1.0,
+    top_p: Annotated[
+        float, typer.Option("--top-p", help="Nucleus sampling threshold, for tasks without settings.")
+    ] = 1.0,
     max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", min=1, help="Response length cap.")
+        int, typer.Option("--max-new-tokens", min=1, help="Response length cap, for tasks without settings.")
     ] = 512,
     min_new_tokens: Annotated[
-        int, typer.Option("--min-new-tokens", min=0, help="Minimum response length (random-init models).")
+        int,
+        typer.Option("--min-new-tokens", min=0, help="Minimum response length, for tasks without settings."),
     ] = 0,
     max_prompt_len: Annotated[
         int, typer.Option("--max-prompt-len", min=1, help="Prompts are cut from the left to this length.")
@@ -113,13 +159,19 @@ def rollout(
     drop_system: Annotated[
         bool, typer.Option("--drop-system", help="Drop system messages (training keeps them).")
     ] = False,
-    follow_policy: Annotated[
-        bool,
-        typer.Option("--follow-policy/--no-follow-policy", help="Load newer published policy versions."),
-    ] = True,
     policy_poll: Annotated[
-        float, typer.Option("--policy-poll", min=0.0, help="Seconds between policy version checks.")
+        float,
+        typer.Option("--policy-poll", min=0.0, help="Seconds a run's list of published versions is reused."),
     ] = 10.0,
+    retry_budget: Annotated[
+        float,
+        typer.Option(
+            "--retry-budget-s",
+            min=0.0,
+            help="Seconds each pool call keeps retrying through an outage; then it is logged and "
+            "the worker goes on.",
+        ),
+    ] = 600.0,
     heartbeat: Annotated[
         float, typer.Option("--heartbeat", min=0.1, help="Seconds between heartbeats.")
     ] = 30.0,
@@ -165,7 +217,9 @@ def rollout(
     log_level: Annotated[str, typer.Option("--log-level", help="Log level.")] = "INFO",
     log_format: render.LogFormatOption = None,
 ) -> None:
-    """Serve a run's generation tasks: claim, generate, grade, complete.
+    """Serve the generation tasks of runs of one or more pools: claim, load the policy version each
+    task names, generate with the task's sampling settings, grade, complete. A pool outage is
+    ridden through (each call retries for --retry-budget-s, then it is logged and tried again).
 
     Logs go to stderr, JSON lines unless --log-format plain. SIGTERM/SIGINT fail the in-flight
     tasks back to the queue and exit 0.
@@ -180,8 +234,8 @@ def _rollout(ctx: typer.Context, **a: Any) -> None:
 
     configure_logging(a["log_format"] or "json", a["log_level"].upper())
     cfg = WorkerConfig(
-        pool=a["pool"],
-        run=a["run"],
+        pools=list(a["pool"]),
+        runs=None if a["all_runs"] else list(a["run"]),
         worker_id=a["worker_id"] or default_worker_id(),
         lease_seconds=a["lease_seconds"],
         tasks_per_claim=a["tasks_per_claim"],
@@ -195,8 +249,8 @@ def _rollout(ctx: typer.Context, **a: Any) -> None:
         min_new_tokens=a["min_new_tokens"],
         max_prompt_len=a["max_prompt_len"],
         drop_system=a["drop_system"],
-        follow_policy=a["follow_policy"],
         policy_poll_s=a["policy_poll"],
+        retry_budget_s=a["retry_budget"],
         heartbeat_s=a["heartbeat"],
         backoff_initial_s=min(0.5, a["backoff_max"]),
         backoff_max_s=a["backoff_max"],

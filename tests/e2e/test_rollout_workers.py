@@ -1,12 +1,16 @@
 """Rollout workers against a real pool service, with the transformers engine and a tiny model:
 two workers share a batch, a killed worker's task is redone after its lease expires, SIGTERM fails
-the in-flight task back, and a published policy version is loaded without a restart."""
+the in-flight task back; one worker serves two runs of a pool, each task generated with exactly the
+policy version of its own run (checked on the sampler's log-probs against each version's weights),
+and an exact task whose version cannot be loaded is failed back, never served with other weights."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,11 +24,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from exgrpo_client import Client
-from exgrpo_client.schemas import BatchPlan
+from exgrpo_client.schemas import BatchPlan, SamplingParams, decode_ids, decode_logprobs
 from exgrpo_onebox.tiny import build_tiny_model
 from exgrpo_rollout.engines.factory import load_engine
 from exgrpo_rollout.graders import GradingPool
-from exgrpo_rollout.worker import TEST_DELAY_ENV, RolloutWorker, WorkerConfig
+from exgrpo_rollout.prompts import render_prompt
+from exgrpo_rollout.worker import TEST_DELAY_ENV, RolloutWorker, Weights, WorkerConfig
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,10 +77,11 @@ def _questions(n: int) -> list[dict[str, Any]]:
     ]
 
 
-def _pool_with_run(client: Client, pool: str) -> None:
+def _pool_with_run(client: Client, pool: str, *runs: str) -> None:
     client.create_pool(pool, {"k": K, "batch_size": B})
     client.import_questions(pool, _questions(B + 2))
-    client.create_run(pool, RUN)
+    for run in runs or (RUN,):
+        client.create_run(pool, run)
 
 
 def _plan(client: Client, pool: str) -> BatchPlan:
@@ -87,8 +93,8 @@ def _plan(client: Client, pool: str) -> BatchPlan:
 def _worker(url: str, model: Path, pool: str, worker_id: str, **overrides: Any) -> RolloutWorker:
     engine, tokenizer = load_engine("transformers", str(model), device="cpu", seed=hash(worker_id) % 1000)
     settings: dict[str, Any] = {
-        "pool": pool,
-        "run": RUN,
+        "pools": [pool],
+        "runs": [RUN],
         "worker_id": worker_id,
         "lease_seconds": 5.0,
         "grader": "math_think",
@@ -101,7 +107,13 @@ def _worker(url: str, model: Path, pool: str, worker_id: str, **overrides: Any) 
         "backoff_max_s": 0.2,
         **overrides,
     }
-    return RolloutWorker(WorkerConfig(**settings), engine, tokenizer, client_factory=lambda: Client(url))
+    return RolloutWorker(
+        WorkerConfig(**settings),
+        engine,
+        tokenizer,
+        client_factory=lambda: Client(url),
+        loaded=Weights(None, None, -1, str(model)),
+    )
 
 
 def _start(worker: RolloutWorker) -> threading.Thread:
@@ -251,40 +263,172 @@ def test_killed_worker_task_is_redone_and_sigterm_fails_back(
 
 
 # ---------------------------------------------------------------------------------------------
-def _perturbed_copy(model: Path, out: Path) -> dict[str, torch.Tensor]:
+SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=10, min_tokens=3)
+
+
+def _perturbed_copy(model: Path, out: Path, seed: int) -> Path:
     net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in net.parameters():
             p.add_(0.5 * torch.randn(p.shape, generator=gen))
     net.save_pretrained(out)
-    return {k: v.clone() for k, v in net.state_dict().items()}
+    return out
 
 
-def test_worker_loads_a_published_policy_version(
+def _publish(client: Client, pool: str, run: str, version: int, folder: Path) -> None:
+    client.add_policy_version(pool, run, version=version, uri=folder.resolve().as_uri(), step=version)
+
+
+def _teacher_logprobs(
+    net: Any, prompt: list[int], response: list[int], eos_ids: set[int], min_tokens: int
+) -> torch.Tensor:
+    """Log-probs of `response` after `prompt` under `net` at temperature 1, with the EOS masked
+    before `min_tokens` as the sampler masks it."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = net(ids).logits[0, len(prompt) - 1 : -1].float()
+    logits[:min_tokens, sorted(eos_ids)] = float("-inf")
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_one_worker_serves_two_runs_each_with_its_own_versions(
+    client: Client, live_server: Any, tiny_model: Path, pool_name: str, tmp_path: Path
+) -> None:
+    _pool_with_run(client, pool_name, "ra", "rb")
+    folders = {
+        ("ra", 0): tiny_model,
+        ("ra", 1): _perturbed_copy(tiny_model, tmp_path / "ra-v1", seed=1),
+        ("rb", 0): _perturbed_copy(tiny_model, tmp_path / "rb-v0", seed=2),
+        ("rb", 1): _perturbed_copy(tiny_model, tmp_path / "rb-v1", seed=3),
+    }
+    for (run, version), folder in folders.items():
+        _publish(client, pool_name, run, version, folder)
+    # run ra plans at its version 1, run rb at its version 0 (not its newest): exact tasks
+    plans = {
+        "ra": client.plan_batch(pool_name, "ra", create_tasks=True, policy_version=1, sampling=SAMPLING),
+        "rb": client.plan_batch(pool_name, "rb", create_tasks=True, policy_version=0, sampling=SAMPLING),
+    }
+    wanted = {"ra": 1, "rb": 0}
+    # every run of the pool, through the pool-wide claim; the tasks' sampling settings, not the flags
+    worker = _worker(
+        live_server.url, tiny_model, pool_name, "fleet", runs=None, tasks_per_claim=2, max_new_tokens=64
+    )
+    pair = (worker, _start(worker))
+    try:
+        for run, plan in plans.items():
+            _wait(f"run {run}", lambda p=plan: client.batch_status(pool_name, p.id).tasks_completed == B)
+    finally:
+        _stop(pair)
+    assert worker.stats.tasks_failed == worker.stats.tasks_lost == 0
+    assert worker.stats.completed_by_run == {f"{pool_name}/ra": B, f"{pool_name}/rb": B}
+
+    tokenizer = worker.tokenizer
+    eos_ids: set[int] = worker.engine.eos_ids  # type: ignore[attr-defined]  # a TransformersEngine
+    nets = {key: AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32) for key, f in folders.items()}
+    for run, plan in plans.items():
+        res = client.batch_results(pool_name, plan.id)
+        assert res.complete and len(res.groups) == B
+        prompts = {q.question_id: q.prompt for q in plan.fresh}
+        for g in res.groups:
+            assert g.policy_version == wanted[run]  # what the worker reported, stored by the pool
+            prompt = render_prompt(tokenizer, prompts[g.question_id], False, 256)
+            for r in g.rollouts:
+                assert r.token_ids_b64 and r.logprobs_b64
+                response = decode_ids(r.token_ids_b64).tolist()
+                sampled = torch.from_numpy(decode_logprobs(r.logprobs_b64).copy())
+                assert SAMPLING.min_tokens <= len(response) <= SAMPLING.max_tokens  # the task's settings
+                gaps = {
+                    key: float(
+                        (_teacher_logprobs(net, prompt, response, eos_ids, SAMPLING.min_tokens) - sampled)
+                        .abs()
+                        .mean()
+                    )
+                    for key, net in nets.items()
+                }
+                # generated with exactly the run's planned version, and with no other weights
+                assert gaps[(run, wanted[run])] < 1e-3, gaps
+                assert all(gap > 0.05 for key, gap in gaps.items() if key != (run, wanted[run])), gaps
+        committed = client.commit_batch(pool_name, plan.id, res.groups)
+        assert committed.step == 1
+
+
+def test_exact_task_whose_version_cannot_be_loaded_is_failed_back(
     client: Client, live_server: Any, tiny_model: Path, pool_name: str, tmp_path: Path, caplog: Any
 ) -> None:
     _pool_with_run(client, pool_name)
-    worker = _worker(live_server.url, tiny_model, pool_name, "follower")
+    _publish(client, pool_name, RUN, 0, tiny_model)
+    _publish(client, pool_name, RUN, 1, tmp_path / "never-written")  # registered, files missing
+    plan = client.plan_batch(pool_name, RUN, create_tasks=True, policy_version=1, sampling=SAMPLING)
+    worker = _worker(live_server.url, tiny_model, pool_name, "strict")
     caplog.set_level(logging.INFO, logger="exgrpo_rollout.worker")
     pair = (worker, _start(worker))
     try:
-        time.sleep(0.5)  # a few idle polls: nothing published yet
-        assert worker.stats.loaded_version == -1 and worker.stats.policy_reloads == 0
-        expected = _perturbed_copy(tiny_model, tmp_path / "v1")
-        client.add_policy_version(pool_name, RUN, version=1, uri=(tmp_path / "v1").resolve().as_uri(), step=1)
-        _wait("the reload", lambda: worker.stats.loaded_version == 1, timeout=60)
-        # a broken publication is logged and skipped; the worker keeps serving with version 1
-        client.add_policy_version(pool_name, RUN, version=2, uri=(tmp_path / "missing").as_uri(), step=2)
-        _wait("the failed load", lambda: any(r.getMessage() == "policy_load_failed" for r in caplog.records))
-        plan = _plan(client, pool_name)
-        assert plan.policy_version == 2
-        _wait("the batch", lambda: client.batch_status(pool_name, plan.id).tasks_completed == B)
+        # every attempt of every task is failed back, until the pool gives up on them
+        _wait("the failed tasks", lambda: client.batch_status(pool_name, plan.id).tasks_failed == B)
     finally:
         _stop(pair)
-    assert worker.stats.policy_reloads == 1 and worker.stats.loaded_version == 1
-    state = worker.engine.model.state_dict()  # type: ignore[attr-defined]  # a TransformersEngine
-    assert all(torch.equal(state[k], v) for k, v in expected.items())
-    loaded = [r for r in caplog.records if r.getMessage() == "policy_loaded"]
-    assert len(loaded) == 1 and loaded[0].fields["version"] == 1
-    assert worker.stats.tasks_completed == B
+    status = client.batch_status(pool_name, plan.id)
+    assert (status.tasks_completed, status.tasks_failed) == (0, B)
+    assert worker.stats.tasks_completed == 0 and worker.stats.samples == 0  # nothing generated at all
+    assert worker.stats.tasks_failed == 3 * B  # the pool's task_max_attempts
+    unavailable = [r for r in caplog.records if r.getMessage() == "policy_unavailable"]
+    assert unavailable and all("never-written" in r.fields["error"] for r in unavailable)
+    res = client.batch_results(pool_name, plan.id)
+    assert not res.groups
+
+
+# ---------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_worker_rides_through_a_restart_of_the_pool(
+    start_live_server: Callable[..., Any], tiny_model: Path, tmp_path: Path, caplog: Any
+) -> None:
+    db, port, pool = f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", _free_port(), "outage"
+    url = f"http://127.0.0.1:{port}"
+    # the SDK gives up after one quick retry here: what rides through the outage is the worker itself
+    factory = functools.partial(Client, url, retries=1, backoff=0.05)
+    engine, tokenizer = load_engine("transformers", str(tiny_model), device="cpu", seed=7)
+    settings = WorkerConfig(
+        pools=[pool],
+        runs=[RUN],
+        worker_id="steady",
+        lease_seconds=60.0,
+        tasks_per_claim=B,
+        max_new_tokens=12,
+        min_new_tokens=4,
+        max_prompt_len=256,
+        heartbeat_s=1.0,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
+        test_delay_s=3.0,  # holds the claimed tasks while the pool goes down
+    )
+    worker = RolloutWorker(settings, engine, tokenizer, client_factory=factory)
+    caplog.set_level(logging.INFO, logger="exgrpo_rollout.worker")
+    with start_live_server(db, port=port), Client(url) as client:
+        _pool_with_run(client, pool)
+        _publish(client, pool, RUN, 0, tiny_model)  # the tasks name their uri: no listing needed
+        plan = _plan(client, pool)
+        pair = (worker, _start(worker))
+        _wait("the claim", lambda: client.batch_status(pool, plan.id).tasks_leased == B)
+    try:  # the pool is down: the worker generates, its completions and claims fail
+        _wait("a failed completion", lambda: any(r.getMessage() == "complete_retry" for r in caplog.records))
+        time.sleep(1.0)
+        assert pair[1].is_alive() and worker.stats.tasks_completed == 0
+        with start_live_server(db, port=port), Client(url) as client:  # the same pool, restarted
+            _wait("the batch", lambda: client.batch_status(pool, plan.id).tasks_completed == B)
+            _wait("the worker's count", lambda: worker.stats.tasks_completed == B)
+            assert pair[1].is_alive()  # it never exited
+            _stop(pair)
+            _check_results(client, pool, plan)
+    finally:
+        if pair[1].is_alive():
+            _stop(pair)
+    # completed with the lease of the first claim: no task was redone
+    assert worker.stats.attempts == {t: 1 for t in worker.stats.completed_ids}
+    assert worker.stats.generated_with == {t: 0 for t in worker.stats.completed_ids}
+    assert worker.stats.tasks_lost == worker.stats.tasks_failed == 0
