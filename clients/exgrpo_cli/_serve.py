@@ -55,9 +55,9 @@ def upgrade(url: str) -> None:
 
 
 # ------------------------------------------------------------------------------------- serving
-def serve(settings: Settings, *, demo: bool, demo_data: Path | None) -> None:
+def serve(settings: Settings, *, demo: bool, demo_data: Path | None, log_settings: bool = False) -> None:
     configure_logging(settings.log_format, settings.log_level)
-    if settings.log_format == "json":
+    if log_settings:
         log.info("pool service settings", extra=fields(**settings.public_dict()))
     # uvicorn shuts down gracefully, then re-raises the Ctrl-C it caught: that is a clean stop
     with contextlib.suppress(KeyboardInterrupt):

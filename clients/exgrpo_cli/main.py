@@ -145,10 +145,13 @@ def serve(
         allow_anonymous=anonymous,
         log_format=log_format,
     )
-    if settings.log_format == "plain":  # in json, the settings are a log record (every line is one)
+    # the settings: a table in plain logs, one JSON line with --json, else a log record (so that
+    # every line of a json-logging service is a record)
+    shown = settings.log_format == "plain" or state.json
+    if shown:
         public = settings.public_dict()
         render.show(state.json, public, lambda: render.kv_table("settings", public))
-    _serve.serve(settings, demo=demo, demo_data=demo_data)
+    _serve.serve(settings, demo=demo, demo_data=demo_data, log_settings=not shown)
 
 
 @db_app.command("upgrade")
