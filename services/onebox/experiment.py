@@ -181,7 +181,7 @@ def run_logged(options: MainJobOptions) -> tuple[int, float]:
 
 
 def run_experiment(opts: ExperimentOptions, console: Console | None = None) -> Path:
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, soft_wrap=True)  # no wrapping at 80 columns off a terminal
     unknown = [a for a in opts.arms if a not in ARM_NAMES]
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARM_NAMES)}")
