@@ -7,9 +7,11 @@ rollout worker does. Per version: every weight moves a little (not timed), the t
 holds the trainer's weights bit for bit (a checksum of every tensor, not timed).
 
 Transfers:
-- file-legacy: the publish of a Hugging Face folder (`save_hf`) and the reload the engine did before
-  (`from_pretrained` of a second model, then `load_state_dict`);
-- file: the same folder, read by the engine's `load_weights` (safetensors mapped, copied in place);
+- file-legacy: the publish and reload before this change: `save_hf` (safetensors serialized in
+  memory then written, config and tokenizer saved every version) and the engine's reload by
+  `from_pretrained` of a second model, then `load_state_dict`;
+- file: `FilePublisher` (the same folder, tensors written straight to the file, config and
+  tokenizer rendered once) read by the engine's `load_weights` (safetensors mapped, copied in place);
 - http: the trainer's in-memory weight server on loopback (`HttpPublisher`);
 - shm: a POSIX shared-memory segment (`ShmPublisher`).
 
@@ -86,10 +88,30 @@ def _worker(model_dir: str, threads: int, conn: Connection) -> None:
         conn.send((seconds, _checksum(held)))
 
 
+class _LegacyFile:
+    """The publish before this change: `save_hf` (safetensors serialized in memory, then written;
+    config and tokenizer saved again every version)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def publish(self, model: Any, tokenizer: Any, pool: str, run: str, version: int) -> str:
+        from exgrpo_trainer.model import save_hf
+
+        path = self.root / pool / run / f"v{version:06d}"
+        save_hf(model, tokenizer, path)
+        return path.resolve().as_uri()
+
+    def close(self) -> None:
+        pass
+
+
 def _publisher(transfer: str, root: Path) -> Any:
     from exgrpo_trainer.publisher import FilePublisher, HttpPublisher, ShmPublisher
 
-    if transfer in ("file", "file-legacy"):
+    if transfer == "file-legacy":
+        return _LegacyFile(root)
+    if transfer == "file":
         return FilePublisher(root)
     if transfer == "http":
         return HttpPublisher(keep=2)

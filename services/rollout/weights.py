@@ -24,13 +24,15 @@ worker extension (`engines/vllm_ext.py`) uses it inside vLLM's processes.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import mmap
 import os
 import shutil
 import struct
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import quote, unquote, urlparse
@@ -55,6 +57,7 @@ __all__ = [
     "load_policy",
     "path_from_uri",
     "policy_path",
+    "policy_state",
     "shm_files",
     "shm_path",
     "write_state",
@@ -168,9 +171,13 @@ def encoded_layout(
 
 
 def write_state(prefix: bytes, placed: list[tuple[torch.Tensor, int]], out: Any) -> None:
-    """Write an `encoded_layout` into `out` (a writable buffer of the layout's total size)."""
+    """Write an `encoded_layout` into `out` (a writable buffer of the layout's total size).
+
+    The header goes last, after its length was first overwritten with an impossible one: a reader
+    of a reused shared-memory segment that compares the header before and after its load sees any
+    rewrite that overlapped it (`policy_state`)."""
     view = memoryview(out)
-    view[: len(prefix)] = prefix
+    view[:8] = b"\xff" * 8
     for t, start in placed:
         size = t.numel() * t.element_size()
         if size == 0:
@@ -179,6 +186,8 @@ def write_state(prefix: bytes, placed: list[tuple[torch.Tensor, int]], out: Any)
         src = t.detach()
         src = src.to("cpu") if src.device.type != "cpu" else src
         dst.copy_(src.contiguous().reshape(-1).view(torch.uint8))
+    view[8 : len(prefix)] = prefix[8:]
+    view[:8] = prefix[:8]
 
 
 def encode_state(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytearray:
@@ -226,7 +235,9 @@ def decode_state(buf: Any) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------- fetching
-def _http_get(uri: str, timeout: float) -> bytearray:
+def _http_get(uri: str, timeout: float, into: bytearray | None = None) -> bytearray:
+    """The body of a GET, read into `into` when it has the body's size (no new allocation: first
+    touching hundreds of MB of fresh memory costs more than receiving them), else a new buffer."""
     parsed = urlparse(uri)
     if parsed.scheme != "http":
         raise ValueError(f"policy uri {uri!r}: only http:// is served (the trainer's weight server)")
@@ -245,7 +256,7 @@ def _http_get(uri: str, timeout: float) -> bytearray:
         size = int(resp.getheader("Content-Length") or -1)
         if size < 0:
             raise ValueError(f"policy uri {uri}: the answer has no Content-Length")
-        buf = bytearray(size)
+        buf = into if into is not None and len(into) == size else bytearray(size)
         view, got = memoryview(buf), 0
         while got < size:
             n = resp.readinto(view[got:])
@@ -271,6 +282,38 @@ def _shm_map(uri: str) -> mmap.mmap:
         return mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+_RECEIVE_LOCK = threading.Lock()
+_receive_buffer: bytearray | None = None
+"""This process's buffer for http:// policies, kept between loads (one model's size)."""
+
+
+@contextlib.contextmanager
+def policy_state(uri: str, *, timeout: float = 300.0) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors of an http:// or shm:// policy, valid inside the block only: views of this
+    process's receive buffer (reused by the next load) or of the segment's mapping. Copy them out
+    (an engine's `load_state_dict`) before the block ends.
+
+    shm://: the trainer reuses the segments of dropped versions; a rewrite that overlapped this load
+    is detected by the header (it carries the version) and raises ValueError at the end of the
+    block, so the caller knows the weights it copied may be mixed."""
+    global _receive_buffer
+    scheme = _scheme(uri)
+    if scheme == "http":
+        with _RECEIVE_LOCK:
+            buf = _http_get(uri, timeout, into=_receive_buffer)
+            _receive_buffer = buf
+            yield decode_state(buf)
+    elif scheme == "shm":
+        mm = _shm_map(uri)
+        (length,) = struct.unpack_from("<Q", mm, 0) if len(mm) >= 8 else (0,)
+        before = bytes(mm[: 8 + min(length, len(mm))])
+        yield decode_state(mm)
+        if bytes(mm[: len(before)]) != before:
+            raise ValueError(f"policy uri {uri}: the trainer rewrote the segment during the load; load again")
+    else:
+        raise ValueError(f"policy uri {uri!r}: policy_state reads http:// and shm:// uris, not {scheme}://")
 
 
 def fetch_state(uri: str, *, timeout: float = 300.0) -> dict[str, torch.Tensor]:
@@ -334,4 +377,5 @@ def load_policy(engine: GenerationEngine, uri: str) -> None:
     loader = getattr(engine, "load_state_dict", None)
     if loader is None:
         raise ValueError(f"engine {engine.name!r} cannot load {scheme}:// policies (no load_state_dict)")
-    loader(fetch_state(uri))
+    with policy_state(uri) as tensors:
+        loader(tensors)

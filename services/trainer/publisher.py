@@ -42,9 +42,9 @@ from urllib.parse import quote, unquote
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from exgrpo_rollout.weights import FILES, SHM_ROOT, encode_state, encoded_layout, policy_path, write_state
+from exgrpo_rollout.weights import FILES, SHM_ROOT, encoded_layout, policy_path, write_state
 from exgrpo_trainer import dist
-from exgrpo_trainer.model import publishable_state, save_hf, write_model_files
+from exgrpo_trainer.model import publishable_state, write_model_files
 
 __all__ = [
     "FilePublisher",
@@ -54,6 +54,7 @@ __all__ = [
     "WeightPublisher",
     "make_publisher",
     "model_files",
+    "write_safetensors",
 ]
 
 log = logging.getLogger("exgrpo.trainer")
@@ -75,22 +76,45 @@ class WeightPublisher(Protocol):
 
 
 class FilePublisher:
-    """Hugging Face folders under `root` (the run output's ``published`` folder)."""
+    """Hugging Face folders under `root` (the run output's ``published`` folder), the same files
+    `save_hf` writes: the weights go straight from the tensors to the file (no serialized copy in
+    memory first) and the config and tokenizer files are rendered once per run."""
 
     kind = "file"
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.files: dict[tuple[str, str], dict[str, bytes]] = {}
 
     def publish(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pool: str, run: str, version: int
     ) -> str:
+        state = publishable_state(model)
         path = self.root / pool / run / f"v{version:06d}"
-        save_hf(model, tokenizer, path)
+        if dist.is_main():
+            if (pool, run) not in self.files:
+                self.files[(pool, run)] = model_files(model, tokenizer)
+            path.mkdir(parents=True, exist_ok=True)
+            for name, data in self.files[(pool, run)].items():
+                (path / name).write_bytes(data)
+            write_safetensors(state, path / "model.safetensors", {"format": "pt"})
+        dist.barrier()
         return path.resolve().as_uri() if dist.is_main() else ""
 
     def close(self) -> None:
         pass
+
+
+def write_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """A safetensors file of `state`, written tensor by tensor and renamed into place."""
+    prefix, placed, _ = encoded_layout(state, metadata)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(prefix)
+        for t, _start in placed:  # in file order
+            if t.numel():
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    os.replace(tmp, path)
 
 
 def model_files(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> dict[str, bytes]:
@@ -156,6 +180,10 @@ class _MemoryPublisher(Generic[V]):
             self._new_run(pool, run)
         return self._put(state, pool, run, version)
 
+    @staticmethod
+    def _metadata(pool: str, run: str, version: int) -> dict[str, str]:
+        return {"format": "pt", "policy": f"{pool}/{run}/v{version:06d}"}
+
     def _new_run(self, pool: str, run: str) -> None:
         pass
 
@@ -180,6 +208,33 @@ class HttpPublisher(_MemoryPublisher[bytearray]):
         self.advertise = advertise or (socket.gethostname() if addr in ("0.0.0.0", "::", "") else addr)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._retired: list[bytearray] = []
+        """Buffers of dropped versions, reused for new ones once no answer is sending them: the
+        first touch of hundreds of MB of fresh memory costs more than writing the weights."""
+        self._sending: dict[int, int] = {}
+
+    def _buffer(self, total: int) -> bytearray:
+        with self.versions.lock:
+            for i, b in enumerate(self._retired):
+                if len(b) == total and not self._sending.get(id(b)):
+                    return self._retired.pop(i)
+        return bytearray(total)
+
+    def checkout(self, key: tuple[str, str, int]) -> bytearray | None:
+        """The buffer of a version, counted as being sent until `checkin` (never reused meanwhile)."""
+        with self.versions.lock:
+            buf = self.versions.items.get(key)
+            if buf is not None:
+                self._sending[id(buf)] = self._sending.get(id(buf), 0) + 1
+            return buf
+
+    def checkin(self, buf: bytearray) -> None:
+        with self.versions.lock:
+            left = self._sending[id(buf)] - 1
+            if left:
+                self._sending[id(buf)] = left
+            else:
+                del self._sending[id(buf)]
 
     @property
     def base_url(self) -> str:
@@ -197,7 +252,12 @@ class HttpPublisher(_MemoryPublisher[bytearray]):
 
     def _put(self, state: dict[str, torch.Tensor], pool: str, run: str, version: int) -> str:
         self.start()
-        self.versions.put((pool, run, version), encode_state(state, {"format": "pt"}))
+        prefix, placed, total = encoded_layout(state, self._metadata(pool, run, version))
+        buf = self._buffer(total)
+        write_state(prefix, placed, buf)
+        dropped = self.versions.put((pool, run, version), buf)
+        with self.versions.lock:
+            self._retired = [*self._retired, *(b for _, b in dropped)][-self.versions.keep :]
         return self.base_url + policy_path(pool, run, version)
 
     def close(self) -> None:
@@ -206,6 +266,7 @@ class HttpPublisher(_MemoryPublisher[bytearray]):
             self._server.server_close()
             self._server = None
         self.versions.clear()
+        self._retired = []
 
 
 def _handler(pub: HttpPublisher) -> type[BaseHTTPRequestHandler]:
@@ -225,13 +286,19 @@ def _handler(pub: HttpPublisher) -> type[BaseHTTPRequestHandler]:
                 return
             pool, run, version = parts[1], parts[2], int(parts[3][1:])
             rest = parts[4:]
-            buf = pub.versions.get((pool, run, version))
-            if buf is None:
+            if pub.versions.get((pool, run, version)) is None:
                 self._send(404, f"policy version {version} of {pool}/{run} is not served here\n".encode())
                 return
             files = pub.files.get((pool, run), {})
             if not rest:
-                self._send(200, buf, "application/octet-stream")
+                buf = pub.checkout((pool, run, version))
+                if buf is None:  # dropped just now
+                    self._send(404, f"policy version {version} of {pool}/{run} is not served here\n".encode())
+                    return
+                try:
+                    self._send(200, buf, "application/octet-stream")
+                finally:
+                    pub.checkin(buf)
             elif rest == [FILES]:
                 self._send(200, json.dumps(sorted(files)).encode(), "application/json")
             elif len(rest) == 2 and rest[0] == FILES and rest[1] in files:
@@ -271,6 +338,8 @@ class ShmPublisher(_MemoryPublisher[Path]):
         super().__init__(keep)
         self.root = root
         self.prefix = prefix or f"exgrpo-{os.getpid()}-{os.urandom(3).hex()}"
+        self._retired: list[Path] = []
+        """Segments of dropped versions (no uri names them any more), rewritten for new versions."""
 
     def segment(self, pool: str, run: str, version: int) -> str:
         return f"{self.prefix}.{pool}.{run}.v{version:06d}"
@@ -284,25 +353,33 @@ class ShmPublisher(_MemoryPublisher[Path]):
     def _put(self, state: dict[str, torch.Tensor], pool: str, run: str, version: int) -> str:
         name = self.segment(pool, run, version)
         path = self.root / name
-        prefix, placed, total = encoded_layout(state, {"format": "pt"})
+        prefix, placed, total = encoded_layout(state, self._metadata(pool, run, version))
         tmp = path.with_name(name + ".partial")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        if self._retired:
+            # the segment of a dropped version, renamed away from its uri and rewritten in place
+            # (its pages are already allocated); a worker still loading it sees the header change
+            os.replace(self._retired.pop(), tmp)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.ftruncate(fd, total)
+            if os.fstat(fd).st_size != total:
+                os.ftruncate(fd, total)
             with mmap.mmap(fd, total) as mm:
                 write_state(prefix, placed, mm)
         finally:
             os.close(fd)
-        os.replace(tmp, path)  # readers never see a partly written segment
+        os.replace(tmp, path)  # readers never see a partly written segment under its name
         for _, old in self.versions.put((pool, run, version), path):
+            self._retired.append(old)
+        while len(self._retired) > 1:
             with contextlib.suppress(FileNotFoundError):  # processes that mapped it keep their mapping
-                old.unlink()
+                self._retired.pop(0).unlink()
         return f"shm://{quote(name, safe='')}"
 
     def close(self) -> None:
-        for _, path in self.versions.clear():
+        for path in [*(p for _, p in self.versions.clear()), *self._retired]:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        self._retired = []
         for pool, run in self.files:
             shutil.rmtree(self.root / f"{self.prefix}.{pool}.{run}.{FILES}", ignore_errors=True)
         self.files.clear()

@@ -5,8 +5,10 @@ NCCL transfer itself needs two GPUs: scripts/vllm_nccl_check.py."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 
 from exgrpo_rollout.engines import vllm_nccl
 from exgrpo_rollout.engines.vllm_ext import WeightReloader, spec_dtype, weight_specs
-from exgrpo_rollout.weights import encode_state, load_policy
+from exgrpo_rollout.weights import decode_state, encode_state, load_policy
 
 STATE = {
     "model.embed_tokens.weight": torch.randn(11, 4),
@@ -92,13 +94,12 @@ def test_worker_fetches_http_and_shm_uris_itself(monkeypatch: pytest.MonkeyPatch
     reloader, model = _reloader()
     fetched: list[str] = []
 
-    def fetch_state(uri: str) -> dict[str, torch.Tensor]:
+    @contextlib.contextmanager
+    def policy_state(uri: str) -> Iterator[dict[str, torch.Tensor]]:
         fetched.append(uri)
-        from exgrpo_rollout.weights import decode_state
+        yield decode_state(encode_state(STATE))
 
-        return decode_state(encode_state(STATE))
-
-    monkeypatch.setattr("exgrpo_rollout.weights.fetch_state", fetch_state)
+    monkeypatch.setattr("exgrpo_rollout.weights.policy_state", policy_state)
     assert reloader.exgrpo_load_uri("shm://seg.v000001") == len(STATE)
     assert fetched == ["shm://seg.v000001"]
     # encode_state lays tensors out by element size; the loader gets every one, bit for bit

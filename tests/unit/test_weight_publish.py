@@ -18,7 +18,15 @@ from exgrpo_onebox.tiny import build_tokenizer, tiny_qwen2
 from exgrpo_rollout.engines.base import SamplingConfig
 from exgrpo_rollout.engines.factory import load_engine
 from exgrpo_rollout.engines.hf import TransformersEngine
-from exgrpo_rollout.weights import decode_state, encode_state, fetch_model_dir, load_policy, path_from_uri
+from exgrpo_rollout.weights import (
+    decode_state,
+    encode_state,
+    fetch_model_dir,
+    load_policy,
+    path_from_uri,
+    policy_state,
+    shm_path,
+)
 from exgrpo_trainer.publisher import FilePublisher, HttpPublisher, ShmPublisher, WeightPublisher
 
 KINDS = ["file", "http", "shm"]
@@ -72,7 +80,7 @@ def test_worker_engine_holds_the_trainers_weights_bit_for_bit(
     trainer = _model(tokenizer, seed=1)
     engine = TransformersEngine(_model(tokenizer, seed=2), tokenizer)
     assert not torch.equal(engine.model.model.embed_tokens.weight, trainer.model.embed_tokens.weight)
-    for version in range(3):
+    for version in range(5):  # from the fourth on, memory of dropped versions is reused
         with torch.no_grad():  # an "update": every weight moves
             for p in trainer.parameters():
                 p.add_(torch.randn_like(p) * 0.01)
@@ -185,3 +193,41 @@ def test_a_state_dict_of_another_model_is_refused(tokenizer: PreTrainedTokenizer
     with pytest.raises(ValueError, match="missing"):
         engine.load_state_dict(missing)
     assert torch.equal(engine.model.model.norm.weight, before), "a refused load changes nothing"
+
+
+def test_a_shm_segment_rewritten_during_a_load_is_detected(tokenizer: PreTrainedTokenizerFast) -> None:
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("POSIX shared memory (/dev/shm) is Linux only")
+    trainer = _model(tokenizer, seed=8)
+    pub = ShmPublisher(keep=1)
+    try:
+        first = pub.publish(trainer, tokenizer, "pool-a", "run-1", 0)
+        rewritten = pytest.raises(ValueError, match="rewrote the segment during the load")
+        with rewritten, policy_state(first) as tensors:
+            assert tensors
+            pub.publish(trainer, tokenizer, "pool-a", "run-1", 1)  # drops v0
+            newest = pub.publish(trainer, tokenizer, "pool-a", "run-1", 2)  # rewrites v0's pages
+        assert shm_path(newest).exists() and not shm_path(first).exists()
+        with policy_state(newest) as tensors:  # an undisturbed load passes the check
+            assert torch.equal(tensors["model.norm.weight"], trainer.model.norm.weight)
+    finally:
+        pub.close()
+    assert not shm_path(newest).exists()
+
+
+def test_an_http_buffer_being_sent_is_not_reused(tokenizer: PreTrainedTokenizerFast) -> None:
+    trainer = _model(tokenizer, seed=9)
+    pub = HttpPublisher(keep=1)
+    try:
+        pub.publish(trainer, tokenizer, "pool-a", "run-1", 0)
+        sending = pub.checkout(("pool-a", "run-1", 0))  # an answer is sending v0
+        assert sending is not None
+        pub.publish(trainer, tokenizer, "pool-a", "run-1", 1)  # drops v0
+        v1 = pub.versions.get(("pool-a", "run-1", 1))
+        pub.publish(trainer, tokenizer, "pool-a", "run-1", 2)  # drops v1
+        assert pub.versions.get(("pool-a", "run-1", 2)) is not sending, "v0's buffer is still being sent"
+        pub.checkin(sending)
+        pub.publish(trainer, tokenizer, "pool-a", "run-1", 3)
+        assert pub.versions.get(("pool-a", "run-1", 3)) is v1, "a dropped buffer nobody sends is reused"
+    finally:
+        pub.close()

@@ -25,7 +25,7 @@ prefix cache afterwards: cached KV blocks were computed with the old weights.
 Other ways in (each a method the engine calls through ``collective_rpc``):
 
 - ``exgrpo_load_uri(uri)``: an ``http://`` (the trainer's weight server) or ``shm://`` (shared
-  memory) policy, fetched by each worker itself (`exgrpo_rollout.weights.fetch_state`): the tensors
+  memory) policy, fetched by each worker itself (`exgrpo_rollout.weights.policy_state`): the tensors
   never cross the engine's process boundary as RPC arguments;
 - NCCL, for a trainer on other GPUs: ``exgrpo_init_weight_group(host, port, rank_offset,
   world_size)`` joins a process group of its own with the trainer (rank 0; vLLM's
@@ -113,9 +113,10 @@ class WeightReloader:
 
     def exgrpo_load_uri(self, uri: str) -> int:
         """Fetch an http:// or shm:// policy in this worker and load it; the number of tensors."""
-        from exgrpo_rollout.weights import fetch_state
+        from exgrpo_rollout.weights import policy_state
 
-        return self._exgrpo_load(iter(fetch_state(uri).items()))
+        with policy_state(uri) as tensors:
+            return self._exgrpo_load(iter(tensors.items()))
 
     def exgrpo_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> int:
         """Join the trainer's weight-update group (the trainer is rank 0); this worker's rank in it."""
