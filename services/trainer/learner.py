@@ -161,7 +161,11 @@ class Learner:
         sampler log-probs (`Row.behaviour_logprobs`) the behaviour policy of the decoupled loss;
         every fresh row must carry them."""
         if decoupled:
-            missing = [i for i, r in enumerate(rows) if not r.replayed and r.behaviour_logprobs is None]
+            missing = [
+                i
+                for i, r in enumerate(rows)
+                if not r.replayed and r.response_ids and r.behaviour_logprobs is None
+            ]
             if missing:
                 raise ValueError(
                     f"{len(missing)} generated rows have no sampler log-probs: asynchronous generation "

@@ -1,8 +1,11 @@
 """The trainer with `rollout.engine=remote`: it plans batches with generation tasks, and two real
 `exgrpo rollout` worker processes claim, generate, grade and complete them against the live
-service. The trainer publishes after every step and the workers must generate each batch with
-the policy it was planned with; by the third step the run is mixed and a replayed question gets
-its K-1 fresh rollouts from the workers.
+service. Synchronous mode (the default): the trainer publishes its initial weights as version 0 at
+attach and its weights after every step, every batch names the trainer's current version and
+sampling settings, and every fresh rollout is generated with exactly that version; by the third
+step the run is mixed and a replayed question gets its K-1 fresh rollouts from the workers.
+Asynchronous mode (`rollout.max_policy_lag=1`): each batch is planned before the previous step's
+update, and no rollout is more than one version older than the weights that learn from it.
 
 The workers sample without fixed seeds, so the run is not reproducible; the settings make the
 path the assertions need all but certain: about half of the tiny model's samples pass the parity
@@ -17,7 +20,9 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,12 @@ from ._helpers import RecordingClient, child_env, make_pool, read_metrics, run_c
 
 STEPS = 3
 WORKERS = ("w1", "w2")
+LOGPROB_GAP_TOL = 1e-4
+"""The worker's engine (incremental decoding with a KV cache) and the trainer's scoring (one
+forward over prompt and response) in float32 on CPU agree per token to about 1e-6; 1e-4 is the
+per-token tolerance the comparison below uses. The tests sample with rollout.min_new_tokens=0: the
+sampler's EOS mask over the first min_new_tokens positions is a real difference between the two
+distributions (about 3e-3 on average for the tiny model with 4 such positions)."""
 
 
 def _worker_command(url: str, cfg: TrainConfig, worker_id: str) -> list[str]:
@@ -83,12 +94,90 @@ def _stop(procs: dict[str, subprocess.Popen[bytes]]) -> dict[str, int]:
     return codes
 
 
+@contextmanager
+def _workers(
+    url: str, cfg: TrainConfig, tmp_path: Path, json_events: Callable[[Path], list[dict[str, Any]]]
+) -> Iterator[tuple[dict[str, Path], dict[str, int]]]:
+    """Two `exgrpo rollout` processes serving the trainer's run (which must exist); yields their
+    log files and, once the block is left, their exit codes (filled in after SIGTERM)."""
+    logs = {w: tmp_path / f"{w}.log" for w in WORKERS}
+    codes: dict[str, int] = {}
+    # a short pause after each claim lets the two workers share every batch
+    env = {**child_env(), TEST_DELAY_ENV: "0.2"}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for w, log in logs.items():
+            with open(log, "wb") as f:
+                procs[w] = subprocess.Popen(
+                    _worker_command(url, cfg, w), stdout=f, stderr=subprocess.STDOUT, env=env
+                )
+        _wait_started(procs, logs, json_events)
+        yield logs, codes
+    finally:
+        codes.update(_stop(procs))
+
+
 def _shape(groups: list[s.GroupResult]) -> Counter[tuple[int, int]]:
     return Counter((g.question_id, len(g.rollouts)) for g in groups)
 
 
 def _payload(r: s.RolloutResult) -> tuple[list[int], list[float]]:
     return s.unpack_ids(r.token_ids_b64 or ""), s.unpack_logprobs(r.logprobs_b64 or "")
+
+
+@dataclass
+class _Outcome:
+    """What a remote run left: the client that recorded its plans and commits, the pool's view of
+    each batch and of the run, the workers' logs and exit codes."""
+
+    client: RecordingClient
+    k: int
+    statuses: list[s.BatchStatusPublic]
+    results: list[s.BatchResults]
+    stats: s.RunStats
+    run: s.RunPublic
+    versions: list[int]
+    logs: dict[str, Path]
+    codes: dict[str, int]
+
+
+def _train_with_workers(
+    url: str, pool: str, cfg: TrainConfig, tmp_path: Path, json_events: Callable[[Path], list[dict[str, Any]]]
+) -> _Outcome:
+    """A pool that switches early, two workers, and the trainer's run to its end."""
+    with RecordingClient(url) as client:
+        make_pool(client, pool, start_threshold=0.05)
+        # workers stop at once when their run does not exist: create it as the trainer would
+        client.create_run(pool, cfg.run.name, seed=cfg.run.seed)
+        with _workers(url, cfg, tmp_path, json_events) as (logs, codes):
+            run_training(cfg, client=client)
+        return _Outcome(
+            client=client,
+            k=client.get_pool(pool).config.k,
+            statuses=[client.batch_status(pool, p.id) for p in client.plans],
+            results=[client.batch_results(pool, p.id) for p in client.plans],
+            stats=client.run_stats(pool, cfg.run.name),
+            run=client.get_run(pool, cfg.run.name),
+            versions=[v.version for v in client.list_policy_versions(pool, cfg.run.name).data],
+            logs=logs,
+            codes=codes,
+        )
+
+
+def _remote_config(url: str, pool: str, model: Path, out: Path, steps: int, *extra: str) -> TrainConfig:
+    """A remote run of `steps` steps, sampled without an EOS mask (see LOGPROB_GAP_TOL)."""
+    return run_config(
+        url,
+        pool,
+        model,
+        out,
+        "rollout.engine=remote",
+        "rollout.results_timeout_s=120",
+        "rollout.min_new_tokens=0",
+        f"run.steps={steps}",
+        "schedule.checkpoint_every=0",
+        *extra,
+    )
 
 
 @pytest.mark.timeout(300)
@@ -100,40 +189,11 @@ def test_trainer_learns_from_two_rollout_workers(
     json_events: Callable[[Path], list[dict[str, Any]]],
 ) -> None:
     out = tmp_path / "run"
-    cfg = run_config(
-        live_server.url,
-        pool_name,
-        tiny_model,
-        out,
-        "rollout.engine=remote",
-        "rollout.results_timeout_s=120",
-        f"run.steps={STEPS}",
-        "schedule.publish_every=1",
-        "schedule.checkpoint_every=0",
-    )
-    logs = {w: tmp_path / f"{w}.log" for w in WORKERS}
-    with RecordingClient(live_server.url) as client:
-        make_pool(client, pool_name, start_threshold=0.05)
-        k = client.get_pool(pool_name).config.k
-        # workers stop at once when their run does not exist: create it as the trainer would
-        client.create_run(pool_name, cfg.run.name, seed=cfg.run.seed)
-        # a short pause after each claim lets the two workers share every batch
-        env = {**child_env(), TEST_DELAY_ENV: "0.2"}
-        procs: dict[str, subprocess.Popen[bytes]] = {}
-        try:
-            for w, log in logs.items():
-                with open(log, "wb") as f:
-                    command = _worker_command(live_server.url, cfg, w)
-                    procs[w] = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env)
-            _wait_started(procs, logs, json_events)
-            run_training(cfg, client=client)
-        finally:
-            codes = _stop(procs)
-        statuses = [client.batch_status(pool_name, p.id) for p in client.plans]
-        results = [client.batch_results(pool_name, p.id) for p in client.plans]
-        stats = client.run_stats(pool_name, cfg.run.name)
-        run = client.get_run(pool_name, cfg.run.name)
-        versions = client.list_policy_versions(pool_name, cfg.run.name)
+    # remote workers: the trainer publishes every step, whatever schedule.publish_every says
+    cfg = _remote_config(live_server.url, pool_name, tiny_model, out, STEPS, "schedule.publish_every=10")
+    done_run = _train_with_workers(live_server.url, pool_name, cfg, tmp_path, json_events)
+    client, k, statuses, results = done_run.client, done_run.k, done_run.statuses, done_run.results
+    stats, run, logs, codes = done_run.stats, done_run.run, done_run.logs, done_run.codes
 
     # the workers exit cleanly on SIGTERM, holding nothing
     events = {w: json_events(log) for w, log in logs.items()}
@@ -168,11 +228,13 @@ def test_trainer_learns_from_two_rollout_workers(
         mine = completed[first : first + status.num_tasks]
         first += status.num_tasks
         assert Counter((e["question"], e["samples"]) for e in mine) == expected
-        # ... and generated with the policy the batch was planned with (published after each step)
+        # ... and generated with exactly the trainer's current version, which the batch names
+        # (v0, the initial weights, published at attach; then the weights after each step)
         assert plan.policy_version == plan.step - 1
-        assert {e["policy_version"] for e in mine} == {plan.policy_version if plan.step > 1 else -1}
+        assert {e["policy_version"] for e in mine} == {plan.policy_version}
+        assert {g.policy_version for g in res.groups} == {plan.policy_version}
     loaded = {w: [e["version"] for e in events[w] if e["event"] == "policy_loaded"] for w in WORKERS}
-    assert all(v == sorted(set(v)) and set(v) <= {1, 2, 3} for v in loaded.values()), loaded
+    assert all(v == sorted(set(v)) and set(v) <= {0, 1, 2, 3} for v in loaded.values()), loaded
     assert any(STEPS - 1 in v for v in loaded.values()), loaded
 
     # the third step replays: the trainer's groups put the stored trajectory first, then the workers' K-1
@@ -198,10 +260,8 @@ def test_trainer_learns_from_two_rollout_workers(
                 ids, lps = _payload(ours)
                 worker_ids, worker_lps = _payload(theirs)
                 assert ids == worker_ids
-                # the trainer's log-probs (before its update) and the worker's agree: same weights.
-                # The first min_new_tokens positions differ a little (the worker masks EOS there).
-                tail = cfg.rollout.min_new_tokens
-                np.testing.assert_allclose(lps[tail:], worker_lps[tail:], atol=1e-4)
+                # the trainer's log-probs (before its update) and the worker's agree: same weights
+                np.testing.assert_allclose(lps, worker_lps, atol=1e-4)
                 compared_steps.add(plan.step)
     assert compared_steps == set(range(1, STEPS + 1))
 
@@ -216,7 +276,71 @@ def test_trainer_learns_from_two_rollout_workers(
     assert metrics[2]["tokens/replay"] > 0 and "is/w_mean" in metrics[2]
     assert stats.trajectories > 0 and metrics[-1]["experience/trajectories"] == stats.trajectories
     assert run.step == STEPS and run.policy_version == STEPS
-    assert [v.version for v in versions.data] == [1, 2, 3]
+    assert done_run.versions == [0, 1, 2, 3]
+    # on-policy by construction: no lag, and the sampler's log-probs are the trainer's pi_old up to
+    # the engines' float32 numerics (and the EOS mask of the first min_new_tokens positions)
+    assert [m["rollout/policy_lag_max"] for m in metrics] == [0.0] * STEPS
+    assert all(0 <= m["rollout/logprob_gap"] < LOGPROB_GAP_TOL for m in metrics), metrics
+
+
+# ---------------------------------------------------------------------------------------------
+ASYNC_STEPS = 4
+MAX_LAG = 1
+
+
+@pytest.mark.timeout(300)
+def test_asynchronous_generation_stays_within_its_lag(
+    live_server: Any,
+    pool_name: str,
+    tiny_model: Path,
+    tmp_path: Path,
+    json_events: Callable[[Path], list[dict[str, Any]]],
+) -> None:
+    out = tmp_path / "run"
+    cfg = _remote_config(
+        live_server.url, pool_name, tiny_model, out, ASYNC_STEPS, f"rollout.max_policy_lag={MAX_LAG}"
+    )
+    done_run = _train_with_workers(live_server.url, pool_name, cfg, tmp_path, json_events)
+    client, k, statuses, results = done_run.client, done_run.k, done_run.statuses, done_run.results
+    logs, codes = done_run.logs, done_run.codes
+    assert codes == dict.fromkeys(WORKERS, 0), {w: logs[w].read_text()[-3000:] for w in WORKERS}
+
+    # one plan per step, each committed once; the last step plans nothing beyond the run
+    assert [p.step for p in client.plans] == list(range(1, ASYNC_STEPS + 1))
+    assert [st.status for st in statuses] == ["committed"] * ASYNC_STEPS
+    assert [r.step for r in client.commit_results] == list(range(1, ASYNC_STEPS + 1))
+    assert done_run.run.step == ASYNC_STEPS and done_run.versions == list(range(ASYNC_STEPS + 1))
+    # batch t+1 is planned before the update of step t: the newest version then is t-1
+    assert [p.policy_version for p in client.plans] == [0, *range(ASYNC_STEPS - 1)]
+    assert "mixed" in {p.phase for p in client.plans} and any(p.replay for p in client.plans)
+
+    # the weights that learn from step t's rollouts are version t-1; no rollout is older than N before
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == list(range(1, ASYNC_STEPS + 1))
+    for plan, res, m in zip(client.plans, results, metrics, strict=True):
+        used = [plan.policy_version if g.policy_version is None else g.policy_version for g in res.groups]
+        assert all(0 <= plan.step - 1 - v <= MAX_LAG for v in used), (plan.step, used)
+        assert m["rollout/policy_lag_max"] == plan.step - 1 - min(used)
+        assert 0 <= m["rollout/policy_lag_max"] <= MAX_LAG
+        assert m["rollout/logprob_gap"] >= 0 and "loss/total" in m and "actor/old_entropy" in m
+    assert metrics[0]["rollout/policy_lag_max"] == 0  # the first batch is generated with v0
+
+    # collected trajectories store the sampler's log-probs as pi_past, and its entropies
+    stored = 0
+    for res, committed in zip(results, client.commits, strict=True):
+        by_question = {(g.question_id, len(g.rollouts) == k - 1): g for g in res.groups}
+        for g in committed:
+            is_replay = any(r.replayed for r in g.rollouts)
+            generated = g.rollouts[1:] if is_replay else g.rollouts
+            source = by_question[(g.question_id, is_replay)]
+            for ours, theirs in zip(generated, source.rollouts, strict=True):
+                assert ours.entropy == theirs.entropy
+                if ours.token_ids_b64 is not None:
+                    ids, lps = _payload(ours)
+                    worker_ids, worker_lps = _payload(theirs)
+                    assert ids == worker_ids and lps == [min(x, 0.0) for x in worker_lps]
+                    stored += 1
+    assert stored > 0
 
 
 # ---------------------------------------------------------------------------------------------
