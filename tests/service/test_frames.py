@@ -4,9 +4,11 @@ or breaks a payload rule is refused with a clear 4xx and writes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
+import asyncpg
 import httpx
 import msgpack
 import numpy as np
@@ -25,6 +27,7 @@ from .factories import (
     run_stats,
     setup_pool,
 )
+from .harness import Backend
 
 FRAME = {"content-type": frames.MEDIA_TYPE}
 ACCEPT = {"accept": frames.MEDIA_TYPE}
@@ -226,4 +229,37 @@ async def test_a_bad_frame_is_refused_and_writes_nothing(
     assert r.headers["content-type"].startswith("application/problem+json")
     assert words in r.json()["detail"], r.json()["detail"]
     assert await run_stats(client) == before
+    assert ok(await client.get(f"/v1/pools/p1/batches/{plan['id']}"))["status"] == "planned"
+
+
+@pytest.mark.parametrize("backend", ["postgres-redis"], indirect=True)
+async def test_payloads_are_checked_before_the_run_is_locked(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """An ingest or a commit decodes and checks its payloads before it waits for its run's row
+    lock: a bad payload is refused while another transaction holds the run."""
+    await setup_pool(client, questions=8, phase="mixed")
+    plan = await plan_batch(client)
+    body = make_groups(plan, correct_first(lambda q: 2))
+    body["groups"][1]["rollouts"][0]["logprobs"] = [0.5] * 4
+    body["groups"][1]["rollouts"][0].pop("logprobs_b64")
+    parts = msgpack.unpackb(to_frame(make_groups(plan, correct_first(lambda q: 2))))
+    lps = np.frombuffer(parts["logprobs"], "<f4").copy()
+    lps[3] = 0.5  # a frame that is fine but for one log-prob
+    frame = msgpack.packb({**parts, "logprobs": lps.tobytes()})
+    commit = f"/v1/pools/p1/batches/{plan['id']}/commit"
+    conn = await asyncpg.connect(backend.database_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT id FROM run WHERE name = 'r1' FOR UPDATE")
+            for sent in (
+                client.post("/v1/pools/p1/runs/r1/ingest", json=body, headers={"Idempotency-Key": "i1"}),
+                client.post(commit, json=body),
+                client.post(commit, content=frame, headers=FRAME),
+            ):
+                # a request that waited for the lock would hang here until the transaction ends
+                r = await asyncio.wait_for(sent, timeout=60)
+                assert r.status_code == 422 and "log-probs must be <= 0" in r.text, r.text
+    finally:
+        await conn.close()
     assert ok(await client.get(f"/v1/pools/p1/batches/{plan['id']}"))["status"] == "planned"

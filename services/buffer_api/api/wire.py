@@ -24,7 +24,7 @@ from exgrpo_client import frames
 from exgrpo_client import schemas as s
 from exgrpo_pool.api.deps import json_response
 from exgrpo_pool.errors import BadRequest
-from exgrpo_pool.service.convert import raw_payloads
+from exgrpo_pool.service.convert import predecode, raw_payloads
 
 MEDIA_TYPE = frames.MEDIA_TYPE
 
@@ -98,11 +98,13 @@ class Wire:
         self.request = request
         self.binary_answer = frames.wants_frame(request.headers.get("accept"))
 
-    def attach(self, model: BaseModel) -> None:
-        """Hand the checked arrays of a frame body to the rollouts of its validated model."""
+    def prepare(self, model: s.BatchCommit | s.IngestRequest) -> None:
+        """Before the request takes a lock: hand the checked payloads of a frame body to the
+        rollouts of its validated model, or decode and check those of a JSON body."""
         payloads = getattr(self.request.state, _PAYLOADS, None)
         if payloads is not None:
             frames.attach(model, payloads)
+        predecode(model.groups)
 
     @contextlib.contextmanager
     def answering(self) -> Iterator[None]:

@@ -73,7 +73,7 @@ def commit_digest(req: s.BatchCommit) -> str:
     h = hashlib.sha256(req.model_dump_json(include={"groups", "policy_version"}).encode())
     for g in req.groups:
         for r in g.rollouts:
-            if r._packed is not None:
+            if r._packed is not None and r.token_ids is None and r.token_ids_b64 is None:
                 h.update(r._packed[0])
                 h.update(r._packed[1])
     return h.hexdigest()
@@ -222,10 +222,22 @@ def trajectory_public(
     )
 
 
+def predecode(groups: list[s.GroupResult]) -> None:
+    """Decode and check every JSON payload of a commit or an ingest before the request takes a
+    lock or opens a transaction: the packed bytes wait on their rollouts, where `decode_payload`
+    finds them (a frame's rollouts hold theirs already)."""
+    for gi, g in enumerate(groups):
+        for ri, r in enumerate(g.rollouts):
+            if r._packed is None:
+                payload = decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
+                if payload is not None:
+                    r._packed = (payload[0].tobytes(), payload[1].tobytes())
+
+
 def decode_payload(r: s.Payload, where: str) -> tuple[np.ndarray, np.ndarray] | None:
     """(int32 ids, float32 log-probs) of a rollout, validated; None if it carries no payload."""
     if isinstance(r, s.RolloutResult) and r._packed is not None:
-        # from a binary frame: checked with the whole request
+        # from a binary frame (checked with the whole request) or decoded by `predecode`
         return np.frombuffer(r._packed[0], dtype=s.ID_DTYPE), np.frombuffer(
             r._packed[1], dtype=s.LOGPROB_DTYPE
         )

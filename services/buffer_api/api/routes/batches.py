@@ -48,7 +48,7 @@ async def commit_batch(
     lease: RunLeaseDep,
     wire: WireDep,
 ) -> object:
-    wire.attach(body)
+    wire.prepare(body)
     return await idem.run(lambda: batches.commit_batch(ctx, pool, batch_id, body, lease))
 
 

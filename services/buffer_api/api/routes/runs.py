@@ -164,7 +164,7 @@ async def ingest(
     lease: RunLeaseDep,
     wire: WireDep,
 ) -> object:
-    wire.attach(body)
+    wire.prepare(body)
     return await idem.run(lambda: batches.ingest(ctx, pool, run, body, lease))
 
 
