@@ -17,6 +17,7 @@ three buffers), never per rollout. See docs/api.md ("Binary frames").
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -149,19 +150,35 @@ def encode(body: dict[str, Any], payloads: Sequence[tuple[Any, Any] | None]) -> 
         lengths[i] = len(a) // 4
         ids.append(a)
         lps.append(b)
-    frame = {
-        "v": VERSION,
-        "body": body,
-        "lengths": lengths.tobytes(),
-        "token_ids": b"".join(ids),
-        "logprobs": b"".join(lps),
-    }
-    return bytes(msgpack.packb(frame, use_bin_type=True))
+    # the map written piece by piece, so the payload bytes are copied once (into the join), not
+    # gathered into one buffer first and then copied again into msgpack's growing one
+    pack = msgpack.Packer(use_bin_type=True)
+    parts = [
+        pack.pack_map_header(5),
+        pack.pack("v"),
+        pack.pack(VERSION),
+        pack.pack("body"),
+        pack.pack(body),
+        pack.pack("lengths"),
+        pack.pack(lengths.tobytes()),
+        pack.pack("token_ids"),
+        _bin_header(sum(len(a) for a in ids)),
+        *ids,
+        pack.pack("logprobs"),
+        _bin_header(sum(len(b) for b in lps)),
+        *lps,
+    ]
+    return b"".join(parts)
 
 
-def _raw(values: Any, dtype: np.dtype[Any]) -> bytes:
-    if isinstance(values, bytes | bytearray | memoryview):
-        return bytes(values)
+def _bin_header(size: int) -> bytes:
+    """msgpack's bin 32 header (any length below 4 GiB; readers take it for short ones too)."""
+    return struct.pack(">BI", 0xC6, size)
+
+
+def _raw(values: Any, dtype: np.dtype[Any]) -> bytes | memoryview:
+    if isinstance(values, bytes | memoryview):
+        return values
     return np.ascontiguousarray(values, dtype=dtype).tobytes()
 
 
