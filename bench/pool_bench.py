@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -54,7 +55,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _seed
 
-from exgrpo_client import schemas as s
+from exgrpo_client import frames
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -92,6 +93,8 @@ class Server:
     startup_s: float
     log_path: Path
     profile_path: Path | None = None
+    redis_url: str | None = None
+    redis_prefix: str = ""
 
     def memory(self) -> dict[str, float]:
         return memory_mb(self.proc.pid)
@@ -180,6 +183,21 @@ class Api:
     pid: int
 
 
+def answer(r: httpx.Response) -> dict[str, Any]:
+    """An answer's body, JSON or a binary frame (payloads left in the frame's buffers)."""
+    if frames.wants_frame(r.headers.get("content-type")):
+        return frames.decode(r.content)[0]
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def wire_headers(encoding: str, frame_body: bool = False) -> dict[str, str]:
+    """Headers of a request in `encoding` (json or binary): the answer's, and the body's."""
+    if encoding == "json":
+        return {}
+    return {"accept": frames.MEDIA_TYPE, **({"content-type": frames.MEDIA_TYPE} if frame_body else {})}
+
+
 async def timed_post(
     api: Api, path: str, body: bytes, headers: dict[str, str] | None = None
 ) -> tuple[httpx.Response, Sample]:
@@ -245,11 +263,11 @@ class Trainer:
         # replayed groups: the stored (correct) trajectory + K-1 new rollouts, of which j correct
         self.replay_p = np.array([0.15] + [0.77 / (k - 2)] * (k - 2) + [0.08])
 
-    def payload(self) -> tuple[str, str]:
+    def payload(self) -> tuple[np.ndarray, np.ndarray]:
         n = int(self.rng.integers(self.tokens[0], self.tokens[1] + 1))
-        ids = self.rng.integers(0, _seed.VOCAB, size=n, dtype=np.int32)
-        lps = -self.rng.exponential(0.6, size=n)
-        return s.pack_ids(ids), s.pack_logprobs(lps)
+        ids = self.rng.integers(0, _seed.VOCAB, size=n, dtype=np.int32).astype("<i4")
+        lps = (-self.rng.exponential(0.6, size=n)).astype("<f4")
+        return ids, lps
 
     def rollout(self, correct: bool, replayed: bool = False) -> dict[str, Any]:
         r: dict[str, Any] = {
@@ -259,7 +277,7 @@ class Trainer:
         if replayed:
             r["replayed"] = True
         elif correct:
-            r["token_ids_b64"], r["logprobs_b64"] = self.payload()
+            r["_payload"] = self.payload()  # sent as base64 (JSON) or raw buffers (frame)
             r["finish_reason"] = "stop"
         else:
             r["finish_reason"] = "stop" if self.rng.random() < 0.8 else "length"
@@ -277,7 +295,19 @@ class Trainer:
             g["replay_trajectory_id"] = trajectory_id
         return g
 
-    def commit_body(self, plan: dict[str, Any]) -> bytes:
+    @staticmethod
+    def encode(body: dict[str, Any], encoding: str) -> bytes:
+        """A commit or ingest body as JSON (payloads as base64) or as a binary frame."""
+        payloads = [slot.pop("_payload", None) for slot in frames.slots(body)]
+        if encoding == "binary":
+            return frames.encode(body, payloads)
+        for slot, p in zip(frames.slots(body), payloads, strict=True):
+            if p is not None:
+                slot["token_ids_b64"] = base64.b64encode(p[0].tobytes()).decode()
+                slot["logprobs_b64"] = base64.b64encode(p[1].tobytes()).decode()
+        return json.dumps(body).encode()
+
+    def commit_body(self, plan: dict[str, Any], encoding: str = "json") -> bytes:
         groups = [self.fresh_group(f["question_id"]) for f in plan["fresh"]]
         for r in plan["replay"]:
             cands = r["candidates"]
@@ -285,11 +315,11 @@ class Trainer:
                 min(cands, key=lambda c: c["entropy"] if c["entropy"] is not None else 0.0) if cands else None
             )
             groups.append(self.replay_group(r["question_id"], best["id"] if best else None))
-        return json.dumps({"groups": groups, "metrics": {"train/loss": 0.1}}).encode()
+        return self.encode({"groups": groups, "metrics": {"train/loss": 0.1}}, encoding)
 
-    def ingest_body(self, qids: list[int]) -> bytes:
+    def ingest_body(self, qids: list[int], encoding: str = "json") -> bytes:
         groups = [self.fresh_group(q) for q in qids]
-        return json.dumps({"groups": groups, "policy_version": 1}).encode()
+        return self.encode({"groups": groups, "policy_version": 1}, encoding)
 
 
 # ------------------------------------------------------------------------------ measurement
@@ -307,6 +337,8 @@ class Options:
     profile: bool
     pg_dsn: str
     redis_url: str
+    encodings: list[str] = field(default_factory=lambda: ["json", "binary"])
+    unrelated_keys: int = 100_000
 
 
 @dataclass
@@ -317,15 +349,25 @@ class Combo:
 
 
 async def plan_commit(
-    api: Api, trainer: Trainer, prefix: str, opts: Options
+    api: Api, trainer: Trainer, prefix: str, opts: Options, encoding: str = "json"
 ) -> tuple[Sample, Sample, dict[str, Any], dict[str, Any]]:
     idem = (lambda: {"Idempotency-Key": uuid.uuid4().hex}) if opts.idempotency_keys else dict
     body = json.dumps({"candidates": opts.candidates}).encode()
-    r, plan_s = await timed_post(api, f"{prefix}/runs/{_seed.RUN_NAME}/batches", body, idem())
-    plan = r.json()
-    commit_body = trainer.commit_body(plan)
-    r, commit_s = await timed_post(api, f"{prefix}/batches/{plan['id']}/commit", commit_body, idem())
+    path = f"{prefix}/runs/{_seed.RUN_NAME}/batches"
+    r, plan_s = await timed_post(api, path, body, {**idem(), **wire_headers(encoding)})
+    plan = answer(r)
+    commit_body = trainer.commit_body(plan, encoding)
+    headers = {**idem(), **wire_headers(encoding, frame_body=True)}
+    r, commit_s = await timed_post(api, f"{prefix}/batches/{plan['id']}/commit", commit_body, headers)
     return plan_s, commit_s, plan, r.json()
+
+
+def by_encoding(res: dict[str, Any], what: str, samples: dict[str, list[Sample]], **extra: Any) -> None:
+    """Store each encoding's summary under res['encodings'][enc][what], and the last encoding's
+    (binary when both ran) as res[what], the number the main tables show."""
+    for enc, smp in samples.items():
+        res.setdefault("encodings", {}).setdefault(enc, {})[what] = {**summarize(smp), **extra}
+    res[what] = res["encodings"][list(samples)[-1]][what]
 
 
 async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
@@ -337,32 +379,38 @@ async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
         api = Api(client, server.proc.pid)
         # replay-only selection, on the seeded state (same shape at every pool size): with the
         # stored trajectories (the payload dominates), and ids only (the sampling path alone)
+        # each request in every encoding, interleaved, so encodings are compared under one load
+        encs = opts.encodings
         for key, mode in (("select", opts.candidates), ("select_ids", "none")):
-            sel: list[Sample] = []
+            sel: dict[str, list[Sample]] = {e: [] for e in encs}
             for i in range(opts.warmup + opts.select_iterations):
-                body = json.dumps({"n": 64, "seed": 1000 + i, "candidates": mode}).encode()
-                _, smp = await timed_post(api, f"{prefix}/runs/{_seed.RUN_NAME}/select", body)
-                if i >= opts.warmup:
-                    sel.append(smp)
-            res[key] = {**summarize(sel), "candidates": mode}
+                for enc in encs:
+                    body = json.dumps({"n": 64, "seed": 1000 + i, "candidates": mode}).encode()
+                    path = f"{prefix}/runs/{_seed.RUN_NAME}/select"
+                    _, smp = await timed_post(api, path, body, wire_headers(enc))
+                    if i >= opts.warmup:
+                        sel[enc].append(smp)
+            by_encoding(res, key, sel, candidates=mode)
         memory["after_select"] = server.memory()
 
         # plan + commit (the first plan after start also loads the run's epoch order)
         first: dict[str, float] = {}
         for i in range(opts.warmup):
-            p, c, _, _ = await plan_commit(api, trainer, prefix, opts)
+            p, c, _, _ = await plan_commit(api, trainer, prefix, opts, encs[i % len(encs)])
             if i == 0:
                 first = {"plan_ms": round(p.ms, 2), "commit_ms": round(c.ms, 2)}
         res["first_after_start"] = first
 
-        plans, commits = [], []
+        plans: dict[str, list[Sample]] = {e: [] for e in encs}
+        commits: dict[str, list[Sample]] = {e: [] for e in encs}
         replays, stored, retired, eligible = [], [], [], []
         rss_trace: list[float] = []
         t0 = time.perf_counter()
-        for i in range(opts.iterations):
-            p, c, plan, result = await plan_commit(api, trainer, prefix, opts)
-            plans.append(p)
-            commits.append(c)
+        for i in range(opts.iterations * len(encs)):
+            enc = encs[i % len(encs)]
+            p, c, plan, result = await plan_commit(api, trainer, prefix, opts, enc)
+            plans[enc].append(p)
+            commits[enc].append(c)
             replays.append(len(plan["replay"]))
             eligible.append(plan["num_eligible"])
             stored.append(result["stored_trajectories"])
@@ -371,8 +419,8 @@ async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
                 rss_trace.append(server.memory()["rss"])
             if (i + 1) % 20 == 0:
                 log(f"    {combo.backend} {combo.size}: {i + 1}/{opts.iterations} plan+commit")
-        res["plan"] = summarize(plans)
-        res["commit"] = summarize(commits)
+        by_encoding(res, "plan", plans)
+        by_encoding(res, "commit", commits)
         res["steps"] = {
             "iterations": opts.iterations,
             "seconds": round(time.perf_counter() - t0, 1),
@@ -388,44 +436,29 @@ async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
             server.proc.send_signal(signal.SIGUSR1)
             await asyncio.sleep(0.2)
             for _ in range(10):
-                await plan_commit(api, trainer, prefix, opts)
+                await plan_commit(api, trainer, prefix, opts, encs[-1])
             server.proc.send_signal(signal.SIGUSR2)
             await asyncio.sleep(1.0)
             res["profile"] = str(server.profile_path)
 
-        # ingest throughput: all bodies are built before the clock starts
+        # ingest throughput, one round per encoding: all bodies are built before the clock starts
         rng = np.random.default_rng([combo.size, 9])
-        bodies = [
-            trainer.ingest_body(
-                [int(q) + 1 for q in rng.choice(combo.size, size=opts.ingest_groups, replace=False)]
+        for enc in encs:
+            bodies = [
+                trainer.ingest_body(
+                    [int(q) + 1 for q in rng.choice(combo.size, size=opts.ingest_groups, replace=False)],
+                    enc,
+                )
+                for _ in range(opts.ingest_requests)
+            ]
+            res.setdefault("encodings", {}).setdefault(enc, {})["ingest"] = await _ingest(
+                api, prefix, opts, bodies, wire_headers(enc, frame_body=True)
             )
-            for _ in range(opts.ingest_requests)
-        ]
-        sem = asyncio.Semaphore(opts.ingest_concurrency)
-        ing: list[Sample] = []
-        stored_total = 0
-
-        async def one(b: bytes) -> None:
-            nonlocal stored_total
-            async with sem:
-                r, smp = await timed_post(api, f"{prefix}/runs/{_seed.RUN_NAME}/ingest", b)
-            ing.append(smp)
-            stored_total += r.json()["stored_trajectories"]
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(b) for b in bodies))
-        wall = time.perf_counter() - t0
-        res["ingest"] = {
-            **summarize(ing),
-            "requests": opts.ingest_requests,
-            "groups_per_request": opts.ingest_groups,
-            "concurrency": opts.ingest_concurrency,
-            "stored_trajectories": stored_total,
-            "seconds": round(wall, 2),
-            "trajectories_per_s": round(stored_total / wall, 1),
-            "payload_mb_per_s": round(sum(len(b) for b in bodies) / wall / 1e6, 1),
-        }
+            res["ingest"] = res["encodings"][enc]["ingest"]
         memory["after_ingest"] = server.memory()
+
+        if opts.unrelated_keys and server.redis_url is not None:
+            res["unrelated_keys"] = await _unrelated_keys(api, trainer, prefix, opts, server)
 
         # epoch start: the first plan of a brand-new run shuffles every active question of the pool
         starts: list[Sample] = []
@@ -440,6 +473,88 @@ async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
     res["memory_mb"] = memory
     res["rss_end_mb"] = memory["end"]["rss"]
     res["rss_peak_mb"] = max(m["peak"] for m in memory.values())
+
+
+async def _ingest(
+    api: Api, prefix: str, opts: Options, bodies: list[bytes], headers: dict[str, str]
+) -> dict[str, Any]:
+    sem = asyncio.Semaphore(opts.ingest_concurrency)
+    ing: list[Sample] = []
+    stored_total = 0
+
+    async def one(b: bytes) -> None:
+        nonlocal stored_total
+        async with sem:
+            r, smp = await timed_post(api, f"{prefix}/runs/{_seed.RUN_NAME}/ingest", b, headers)
+        ing.append(smp)
+        stored_total += r.json()["stored_trajectories"]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(b) for b in bodies))
+    wall = time.perf_counter() - t0
+    return {
+        **summarize(ing),
+        "requests": opts.ingest_requests,
+        "groups_per_request": opts.ingest_groups,
+        "concurrency": opts.ingest_concurrency,
+        "stored_trajectories": stored_total,
+        "seconds": round(wall, 2),
+        "trajectories_per_s": round(stored_total / wall, 1),
+        "payload_mb_per_s": round(sum(len(b) for b in bodies) / wall / 1e6, 1),
+    }
+
+
+async def _unrelated_keys(
+    api: Api, trainer: Trainer, prefix: str, opts: Options, server: Server
+) -> dict[str, Any]:
+    """Select and plan latency with 0 and with `opts.unrelated_keys` other keys in the Redis db
+    (the service must not walk the db), in pairs: each round measures select ids, select and
+    plan + commit without the keys, writes them, measures again and deletes them."""
+    import redis
+
+    enc = opts.encodings[-1]
+    rounds = max(opts.select_iterations // 2, 5)
+    junk = f"{server.redis_prefix}:unrelated"
+    keys = [f"{junk}:{j}" for j in range(opts.unrelated_keys)]
+    samples: dict[bool, dict[str, list[Sample]]] = {
+        flag: {"select_ids": [], "select": [], "plan": []} for flag in (False, True)
+    }
+    r = redis.Redis.from_url(server.redis_url or "")
+    try:
+        for i in range(rounds):
+            for with_keys in (False, True):
+                if with_keys:
+                    pipe = r.pipeline(transaction=False)
+                    for j in range(0, len(keys), 10_000):
+                        pipe.mset(dict.fromkeys(keys[j : j + 10_000], "x"))
+                    pipe.execute()
+                out = samples[with_keys]
+                for key, mode in (("select_ids", "none"), ("select", opts.candidates)):
+                    body = json.dumps({"n": 64, "seed": 5000 + i, "candidates": mode}).encode()
+                    path = f"{prefix}/runs/{_seed.RUN_NAME}/select"
+                    out[key].append((await timed_post(api, path, body, wire_headers(enc)))[1])
+                out["plan"].append((await plan_commit(api, trainer, prefix, opts, enc))[0])
+            for j in range(0, len(keys), 10_000):
+                r.delete(*keys[j : j + 10_000])
+    finally:
+        for j in range(0, len(keys), 10_000):
+            r.delete(*keys[j : j + 10_000])
+        r.close()
+    out: dict[str, Any] = {"keys": opts.unrelated_keys, "rounds": rounds, "encoding": enc}
+    for key in samples[False]:
+        a, b = summarize(samples[False][key]), summarize(samples[True][key])
+        out[key] = {
+            "p50_ms_0_keys": a["p50_ms"],
+            "p50_ms_with_keys": b["p50_ms"],
+            "ratio_p50": round(b["p50_ms"] / a["p50_ms"], 3),
+            "cpu_ms_0_keys": a["server_cpu_mean_ms"],
+            "cpu_ms_with_keys": b["server_cpu_mean_ms"],
+            "ratio_cpu": round(b["server_cpu_mean_ms"] / a["server_cpu_mean_ms"], 3),
+            "redis_ms_0_keys": a["server_redis_p50_ms"],
+            "redis_ms_with_keys": b["server_redis_p50_ms"],
+            "redis_calls": b["server_redis_calls_p50"],
+        }
+    return out
 
 
 async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> Combo:
@@ -482,6 +597,8 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
             }
         log(f"  {tag}: starting service")
         server = await asyncio.to_thread(start_server, env, log_path, profile_path)
+        if backend == "postgres":
+            server.redis_url, server.redis_prefix = opts.redis_url, redis_prefix
         res["startup_s"] = round(server.startup_s, 2)
         log(f"  {tag}: ready in {server.startup_s:.1f}s, measuring")
         res["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
@@ -652,6 +769,58 @@ def print_table(combos: list[Combo], goal_rows: list[dict[str, Any]]) -> None:
     console.print(g)
 
 
+def _f(v: Any) -> str:
+    return "-" if v is None else (f"{v:,.0f}" if v >= 100 else f"{v:.2f}" if v < 10 else f"{v:.1f}")
+
+
+def side_by_side(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown tables: each request in both encodings (measured interleaved in one run), and
+    select/plan with and without unrelated Redis keys."""
+    out = [
+        "| backend | questions | request | json p50 | binary p50 | binary/json | json p99 | binary p99 "
+        "| json CPU | binary CPU | CPU binary/json | json KB | binary KB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        encs = r.get("encodings", {})
+        if not {"json", "binary"} <= set(encs):
+            continue
+        for what in ("plan", "commit", "select", "select_ids", "ingest"):
+            a, b = encs["json"].get(what), encs["binary"].get(what)
+            if not a or not b or not a.get("n"):
+                continue
+            size = "response_bytes_p50" if what in ("plan", "select", "select_ids") else "request_bytes_p50"
+            if what == "ingest":
+                ratio = a["trajectories_per_s"] / b["trajectories_per_s"]
+            else:
+                ratio = b["p50_ms"] / a["p50_ms"]
+            out.append(
+                f"| {r['backend']} | {r['questions']:,} | {what} | {_f(a['p50_ms'])} | {_f(b['p50_ms'])} "
+                f"| {ratio:.2f} | {_f(a['p99_ms'])} | {_f(b['p99_ms'])} | {_f(a['server_cpu_mean_ms'])} "
+                f"| {_f(b['server_cpu_mean_ms'])} | {b['server_cpu_mean_ms'] / a['server_cpu_mean_ms']:.2f} "
+                f"| {_f((a[size] or 0) / 1024)} | {_f((b[size] or 0) / 1024)} |"
+            )
+    keyed = [r for r in rows if r.get("unrelated_keys")]
+    if keyed:
+        out += [
+            "",
+            "| backend | questions | request | unrelated keys | p50 with 0 | p50 with them | ratio "
+            "| CPU with 0 | CPU with them | CPU ratio | Redis ms with 0 | Redis ms with them |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in keyed:
+            u = r["unrelated_keys"]
+            for what in ("select_ids", "select", "plan"):
+                x = u[what]
+                out.append(
+                    f"| {r['backend']} | {r['questions']:,} | {what} | {u['keys']:,} "
+                    f"| {_f(x['p50_ms_0_keys'])} | {_f(x['p50_ms_with_keys'])} | {x['ratio_p50']:.2f} "
+                    f"| {_f(x['cpu_ms_0_keys'])} | {_f(x['cpu_ms_with_keys'])} | {x['ratio_cpu']:.2f} "
+                    f"| {_f(x.get('redis_ms_0_keys'))} | {_f(x.get('redis_ms_with_keys'))} |"
+                )
+    return out
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The tables of docs/benchmarks.md, from a result file."""
     rows = doc["results"]
@@ -696,6 +865,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"| {g['backend']} | {g['goal']} | {g['value']} | {'yes' if g['met'] else 'no'} |"
         for g in doc["goals"]
     ]
+    out += ["", *side_by_side(rows)]
     loads = [x for r in rows for x in (r["loadavg_before"][0], r["loadavg_after"][0])]
     out += [
         "",
@@ -765,6 +935,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--ingest-requests", type=int, default=None, help="ingest requests per size (40)")
     ap.add_argument("--ingest-concurrency", type=int, default=4)
+    ap.add_argument(
+        "--encodings",
+        default="json,binary",
+        help="comma list of json (base64 payloads) and binary (frames), measured interleaved",
+    )
+    ap.add_argument(
+        "--unrelated-keys",
+        type=int,
+        default=100_000,
+        help="postgres: select/plan before and after writing this many other keys to Redis (0: skip)",
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile 10 extra plan+commit steps per size")
     ap.add_argument("--reseed", action="store_true", help="rebuild the seeded databases even if cached")
     ap.add_argument("--clean", action="store_true", help="drop cached seeded databases and exit")
@@ -795,7 +976,11 @@ def main(argv: list[str] | None = None) -> int:
         profile=args.profile,
         pg_dsn=args.pg_dsn,
         redis_url=args.redis_url,
+        encodings=[e.strip() for e in args.encodings.split(",") if e.strip()],
+        unrelated_keys=args.unrelated_keys,
     )
+    if not opts.encodings or set(opts.encodings) - {"json", "binary"}:
+        raise SystemExit(f"--encodings takes json and/or binary, got {args.encodings!r}")
     if args.clean:
         asyncio.run(clean(opts))
         return 0
@@ -832,6 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2))
     print_table(combos, goal_rows)
+    print("\n".join(side_by_side(doc["results"])))
     print(f"\nwrote {args.out} ({doc['total_seconds']:.0f} s)")
     return 0
 
