@@ -464,10 +464,12 @@ class RolloutWorker:
             raise _Shutdown()
 
     @contextlib.contextmanager
-    def _interruptible(self) -> Iterator[None]:
+    def _interruptible(self, *, unless_stopping: bool = True) -> Iterator[None]:
+        """A stop signal raises `_Shutdown` inside the block; `unless_stopping`: so does entering it
+        once a stop was requested."""
         self._can_interrupt = True
         try:
-            if self._stopping:
+            if unless_stopping and self._stopping:
                 raise _Shutdown()
             yield
         finally:
@@ -814,7 +816,10 @@ class RolloutWorker:
                 self._lost(task.id, "lease lost before completion")
                 return
             try:
-                self.client.complete_task(pool, task.id, lease.token, rollouts, policy_version=version)
+                # a result in hand is sent even after a stop request; a stop signal cuts a call
+                # that is riding through an outage short (the task is then failed back, or expires)
+                with self._interruptible(unless_stopping=False):
+                    self.client.complete_task(pool, task.id, lease.token, rollouts, policy_version=version)
                 break
             except NotFound as e:
                 self._lost(task.id, str(e))
@@ -907,11 +912,19 @@ class RolloutWorker:
         log.info("task_failed_back", extra=fields(task=task_id, error=error, retry=retry))
 
     def _release_inflight(self, error: str) -> None:
+        """Fail the in-flight tasks back. Through an outage this can take a retry budget per task:
+        a stop signal meanwhile abandons it (the leases then expire and the tasks are redone)."""
         with self._lock:
             held = list(self._inflight.items())
             self._inflight.clear()
-        for task_id, lease in held:
-            self._fail_one(task_id, lease, error, released=True)
+        done = 0
+        try:
+            with self._interruptible(unless_stopping=False):
+                for task_id, lease in held:
+                    self._fail_one(task_id, lease, error, released=True)
+                    done += 1
+        except _Shutdown:
+            log.warning("release_abandoned", extra=fields(tasks=[t for t, _ in held[done:]]))
 
     # -------------------------------------------------------------------- lease thread hooks
     def _renew_all(self, client: Client) -> None:

@@ -105,10 +105,14 @@ class FakeClient:
         self.lost: set[int] = set()  # tasks whose lease the service no longer honours
         self.refused: set[int] = set()  # completions refused (409) while the lease is still held
         self.outage: dict[str, int] = {}
+        self.stall: dict[str, float] = {}  # seconds a call spends retrying before it answers
         self.claim_error: Exception | None = None
         self.lock = threading.Lock()
 
     def _down(self, name: str) -> None:
+        end = time.monotonic() + self.stall.get(name, 0.0)
+        while time.monotonic() < end:  # an SDK call riding through an outage
+            time.sleep(0.01)
         if self.outage.get(name, 0) > 0:
             self.outage[name] -= 1
             raise TransportError("connection refused", method="POST", url="http://pool")
@@ -157,6 +161,7 @@ class FakeClient:
         self._log("version", (task_id, policy_version))
 
     def fail_task(self, pool: str, task_id: int, token: str, error: str, retry: bool = True) -> None:
+        self._down("fail")
         if task_id in self.lost:
             raise Conflict(409, "Conflict", "lease lost")
         self._log("fail", (task_id, error, retry))
@@ -496,6 +501,48 @@ def test_worker_rides_through_an_outage() -> None:
     assert tries[:3] == [(1, "tok1")] * 3  # the same lease token each time
     # the run published nothing (learnt once the pool answered): the start model, no version named
     assert client.names("versions") == ["r"] * 3 and client.names("version") == [(1, None), (2, None)]
+
+
+def _sigterm_after(worker: RolloutWorker, *delays: float, when: Any = None) -> float:
+    """Run the worker with SIGTERM sent after each delay (counted from when `when()` holds);
+    the seconds `run()` took."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    worker.install_signal_handlers()
+
+    def send() -> None:
+        start = time.monotonic()
+        while when is not None and not when() and time.monotonic() - start < 60:
+            time.sleep(0.01)
+        for d in delays:
+            time.sleep(d)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send, daemon=True).start()
+    try:
+        start = time.monotonic()
+        assert worker.run() == 0
+        return time.monotonic() - start
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def test_sigterm_cuts_a_completion_riding_through_an_outage_short() -> None:
+    client = FakeClient([_task(1)])
+    client.stall = {"complete": 60.0}
+    worker = _worker(client, FakeEngine(), idle_exit_s=None)
+    assert _sigterm_after(worker, 0.2, when=lambda: client.names("complete_try")) < 30
+    assert client.names("complete_try") == [(1, "tok1")] and not client.names("complete")
+    assert client.names("fail") == [(1, "worker stopped", True)]  # given back, not left to expire
+
+
+def test_a_second_sigterm_abandons_giving_tasks_back_through_an_outage() -> None:
+    client = FakeClient([_task(1), _task(2)])
+    client.stall = {"fail": 60.0}
+    worker = _worker(client, FakeEngine(delay_s=60.0), idle_exit_s=None, tasks_per_claim=2)
+    # the first stops the engine call, the second the release stuck in the outage
+    assert _sigterm_after(worker, 0.2, 1.0, when=lambda: worker.engine.calls) < 30  # type: ignore[attr-defined]  # a FakeEngine
+    assert not client.names("fail") and worker.stats.tasks_released == 0  # their leases will expire
 
 
 def test_refusals_no_retry_can_change_stop_the_worker() -> None:
