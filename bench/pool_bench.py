@@ -339,6 +339,8 @@ class Options:
     redis_url: str
     encodings: list[str] = field(default_factory=lambda: ["json", "binary"])
     unrelated_keys: int = 100_000
+    mix_s: float = 0.0
+    mix_only: bool = False
 
 
 @dataclass
@@ -377,6 +379,9 @@ async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
     memory: dict[str, dict[str, float]] = {"after_start": server.memory()}
     async with httpx.AsyncClient(base_url=server.url, timeout=300, trust_env=False) as client:
         api = Api(client, server.proc.pid)
+        if opts.mix_only:
+            res["mix"] = await _mix(api, trainer, prefix, opts, combo.size)
+            return
         # replay-only selection, on the seeded state (same shape at every pool size): with the
         # stored trajectories (the payload dominates), and ids only (the sampling path alone)
         # each request in every encoding, interleaved, so encodings are compared under one load
@@ -469,10 +474,137 @@ async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
             _, smp = await timed_post(api, f"{prefix}/runs/{name}/batches", json.dumps({}).encode())
             starts.append(smp)
         res["epoch_start_plan"] = summarize(starts)
+        if opts.mix_s > 0:
+            res["mix"] = await _mix(api, trainer, prefix, opts, combo.size)
         memory["end"] = server.memory()
     res["memory_mb"] = memory
     res["rss_end_mb"] = memory["end"]["rss"]
     res["rss_peak_mb"] = max(m["peak"] for m in memory.values())
+
+
+MIX_TRAINERS, MIX_INGESTERS, MIX_READERS = 20, 4, 26
+
+
+async def _mix(api: Api, trainer: Trainer, prefix: str, opts: Options, size: int) -> dict[str, Any]:
+    """50 concurrent clients for `opts.mix_s` seconds: 20 trainers (a run each, plan + commit),
+    4 producers ingesting into r1 and 26 readers (run and pool stats, a small selection, a page of
+    questions), all in the last encoding. Throughput and p50/p99 per request type."""
+    enc = opts.encodings[-1]
+    rng = np.random.default_rng([size, 50])
+    runs = [f"mix-{i}-{uuid.uuid4().hex[:4]}" for i in range(MIX_TRAINERS)]
+    for i, name in enumerate(runs):
+        await timed_post(
+            api, f"{prefix}/runs", json.dumps({"name": name, "seed": 100 + i, "phase": "mixed"}).encode()
+        )
+    ingest_bodies = [
+        trainer.ingest_body([int(q) + 1 for q in rng.choice(size, opts.ingest_groups, replace=False)], enc)
+        for _ in range(MIX_INGESTERS * 2)
+    ]
+    samples: dict[str, list[Sample]] = {}
+    errors: dict[str, int] = {}
+    deadline = time.perf_counter() + opts.mix_s
+
+    async def call(kind: str, coro: Any) -> Any:
+        try:
+            r, smp = await coro
+        except RuntimeError:
+            errors[kind] = errors.get(kind, 0) + 1
+            return None
+        if time.perf_counter() <= deadline:
+            samples.setdefault(kind, []).append(smp)
+        return r
+
+    async def get(path: str) -> tuple[httpx.Response, Sample]:
+        t0 = time.perf_counter()
+        r = await api.client.get(path)
+        if r.status_code >= 300:
+            raise RuntimeError(f"GET {path} -> {r.status_code}")
+        return r, Sample(ms=(time.perf_counter() - t0) * 1000, bytes_in=len(r.content))
+
+    async def train(run: str) -> None:
+        local = Trainer(seed=hash(run) % 2**31)
+        while time.perf_counter() < deadline:
+            body = json.dumps({"candidates": opts.candidates}).encode()
+            path = f"{prefix}/runs/{run}/batches"
+            r = await call("plan", timed_post(api, path, body, wire_headers(enc)))
+            if r is None:
+                continue
+            plan = answer(r)
+            commit = local.commit_body(plan, enc)
+            cpath = f"{prefix}/batches/{plan['id']}/commit"
+            await call("commit", timed_post(api, cpath, commit, wire_headers(enc, frame_body=True)))
+
+    async def ingest(n: int) -> None:
+        i = n
+        while time.perf_counter() < deadline:
+            body = ingest_bodies[i % len(ingest_bodies)]
+            path = f"{prefix}/runs/{_seed.RUN_NAME}/ingest"
+            await call("ingest", timed_post(api, path, body, wire_headers(enc, frame_body=True)))
+            i += MIX_INGESTERS
+
+    async def read(n: int) -> None:
+        i = n
+        while time.perf_counter() < deadline:
+            choice = i % 4
+            if choice == 0:
+                await call("run stats", get(f"{prefix}/runs/{_seed.RUN_NAME}/stats"))
+            elif choice == 1:
+                body = json.dumps({"n": 4, "seed": i}).encode()
+                path = f"{prefix}/runs/{_seed.RUN_NAME}/select"
+                await call("select n=4", timed_post(api, path, body, wire_headers(enc)))
+            elif choice == 2:
+                await call("questions", get(f"{prefix}/questions?limit=50"))
+            else:
+                await call("pool stats", get(f"{prefix}/stats"))
+            i += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(
+        *(train(r) for r in runs),
+        *(ingest(n) for n in range(MIX_INGESTERS)),
+        *(read(n) for n in range(MIX_READERS)),
+    )
+    wall = time.perf_counter() - t0
+    out: dict[str, Any] = {
+        "clients": {"trainers": MIX_TRAINERS, "ingesters": MIX_INGESTERS, "readers": MIX_READERS},
+        "seconds": round(opts.mix_s, 1),
+        "wall_s": round(wall, 1),
+        "encoding": enc,
+        "requests": sum(len(v) for v in samples.values()),
+        "requests_per_s": round(sum(len(v) for v in samples.values()) / opts.mix_s, 2),
+        "errors": errors,
+        "by_type": {},
+    }
+    for kind, smp in sorted(samples.items()):
+        ms = np.array([x.ms for x in smp])
+        out["by_type"][kind] = {
+            "n": len(smp),
+            "per_s": round(len(smp) / opts.mix_s, 2),
+            "p50_ms": round(float(np.percentile(ms, 50)), 1),
+            "p99_ms": round(float(np.percentile(ms, 99)), 1),
+        }
+    return out
+
+
+def mix_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| backend | questions | request | completed | per s | p50 ms | p99 ms |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        m = r.get("mix")
+        if not m:
+            continue
+        for kind, x in m["by_type"].items():
+            out.append(
+                f"| {r['backend']} | {r['questions']:,} | {kind} | {x['n']} | {x['per_s']:.2f} "
+                f"| {_f(x['p50_ms'])} | {_f(x['p99_ms'])} |"
+            )
+        out.append(
+            f"| {r['backend']} | {r['questions']:,} | **all** | {m['requests']} | {m['requests_per_s']:.2f} "
+            f"| | |"
+        )
+    return out
 
 
 async def _ingest(
@@ -866,6 +998,8 @@ def markdown(doc: dict[str, Any]) -> str:
         for g in doc["goals"]
     ]
     out += ["", *side_by_side(rows)]
+    if any(r.get("mix") for r in rows):
+        out += ["", *mix_table(rows)]
     loads = [x for r in rows for x in (r["loadavg_before"][0], r["loadavg_after"][0])]
     out += [
         "",
@@ -940,6 +1074,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="json,binary",
         help="comma list of json (base64 payloads) and binary (frames), measured interleaved",
     )
+    ap.add_argument("--mix", type=float, default=0.0, metavar="SECONDS", help="run the 50-client mix so long")
+    ap.add_argument("--mix-only", action="store_true", help="start the service and run only the mix")
     ap.add_argument(
         "--unrelated-keys",
         type=int,
@@ -978,6 +1114,8 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=args.redis_url,
         encodings=[e.strip() for e in args.encodings.split(",") if e.strip()],
         unrelated_keys=args.unrelated_keys,
+        mix_s=args.mix or (60.0 if args.mix_only else 0.0),
+        mix_only=args.mix_only,
     )
     if not opts.encodings or set(opts.encodings) - {"json", "binary"}:
         raise SystemExit(f"--encodings takes json and/or binary, got {args.encodings!r}")
@@ -1000,12 +1138,26 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{backend} {size:,} questions")
             combos.append(asyncio.run(measure(backend, size, opts, args.reseed)))
             r = combos[-1].result
+            if opts.mix_only:
+                m = r["mix"]
+                log(f"  {backend} {size:,}: mix {m['requests']} requests, {m['requests_per_s']:.2f}/s")
+                continue
             log(
                 f"  {backend} {size:,}: plan p50/p99 {r['plan']['p50_ms']:.1f}/{r['plan']['p99_ms']:.1f} ms, "
                 f"commit {r['commit']['p50_ms']:.1f}/{r['commit']['p99_ms']:.1f} ms, "
                 f"select {r['select']['p50_ms']:.1f}/{r['select']['p99_ms']:.1f} ms, "
                 f"ingest {r['ingest']['trajectories_per_s']:.0f} traj/s, RSS {r['rss_end_mb']:.0f} MB"
             )
+    if opts.mix_only:
+        doc = {
+            "environment": environment(),
+            "options": opts.__dict__,
+            "results": [{"backend": c.backend, "questions": c.size, **c.result} for c in combos],
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2))
+        print("\n".join(mix_table(doc["results"])))
+        return 0
     goal_rows = goals(combos)
     doc = {
         "environment": environment(),
