@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -756,3 +757,34 @@ def test_weight_reloader_reads_every_shard(tmp_path: Path) -> None:
         safetensors_files(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="no such"):
         safetensors_files(tmp_path / "missing")
+
+
+# ------------------------------------------------------------------------------------- the command
+def _rollout_params(*args: str) -> dict[str, Any]:
+    """The `exgrpo rollout` options as parsed (and checked) by the CLI's own parser, not run."""
+    import typer
+
+    from exgrpo_cli.main import app
+
+    group: Any = typer.main.get_command(app)
+    ctx = group.make_context("exgrpo", ["rollout", *args])
+    name, cmd, rest = group.resolve_command(ctx, ["rollout", *args])
+    return dict(cmd.make_context(name, rest, parent=ctx).params)
+
+
+def test_rollout_command_takes_pools_and_runs_or_all_runs() -> None:
+    import typer
+
+    one = _rollout_params("--pool", "p", "--run", "r")
+    assert (one["pool"], one["run"], one["all_runs"], one["retry_budget"]) == (["p"], ["r"], False, 600.0)
+    fleet = _rollout_params("--pool", "p", "--pool", "q", "--all-runs", "--retry-budget-s", "30")
+    assert (fleet["pool"], fleet["all_runs"], fleet["retry_budget"]) == (["p", "q"], True, 30.0)
+    assert not fleet["run"]
+    assert _rollout_params("--run", "a", "--pool", "p", "--run", "b")["run"] == ["a", "b"]
+    for bad, says in (
+        (["--pool", "p"], "give --run R (repeatable) or --all-runs"),
+        (["--pool", "p", "--run", "r", "--all-runs"], "not both"),
+        (["--all-runs", "--pool", "p", "--run", "r"], "not both"),
+    ):
+        with pytest.raises(typer.BadParameter, match=re.escape(says)):
+            _rollout_params(*bad)
