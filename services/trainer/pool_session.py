@@ -227,23 +227,25 @@ class PoolSession:
         result: s.CommitResult = self._on_main(self._write, send)
         return result
 
-    def publish(self, version: int, uri: str, step: int) -> None:
-        """Register a policy version (weights already written where `uri` points)."""
-        self._on_main(
-            self._write,
-            lambda: self._main().add_policy_version(
-                self.run.pool, self.run.name, version=version, uri=uri, step=step
-            ),
-        )
+    def publish(self, version: int, uri: str, step: int) -> str:
+        """Register a policy version (weights already written where `uri` points); the uri the run
+        has for it: `uri`, or the one an earlier trainer of the run registered for that version
+        (a version keeps its first uri)."""
 
-    def published_versions(self) -> list[int]:
-        """The run's published policy versions, oldest first."""
-        versions: list[int] = self._on_main(
-            lambda: sorted(
-                v.version for v in self._main().list_policy_versions(self.run.pool, self.run.name).data
-            )
-        )
-        return versions
+        def send() -> str:
+            client = self._main()
+            try:
+                return client.add_policy_version(
+                    self.run.pool, self.run.name, version=version, uri=uri, step=step
+                ).uri
+            except Conflict as refused:
+                if "already has policy version" not in str(refused):
+                    raise  # the run's lease
+                known = client.list_policy_versions(self.run.pool, self.run.name).data
+                return next(v.uri for v in known if v.version == version)
+
+        registered: str = self._on_main(self._write, send)
+        return registered
 
     # -------------------------------------------------------------------- remote generation
     def batch_results(self, batch_id: str, wait: float) -> s.BatchResults:

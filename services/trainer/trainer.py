@@ -149,8 +149,8 @@ class Trainer:
     def attach(self) -> None:
         """Attach to the run on the pool (created if missing) and resume from the latest checkpoint;
         the pool's step and policy version win over the checkpoint's. With remote workers, the
-        version of the current weights is published if it is not yet (v0: the initial weights), so
-        every plan names a published version."""
+        current weights are published as version `step` (v0: the initial weights), so every plan
+        names a published version that holds the trainer's weights."""
         state = self.session.attach()
         self.step, self.policy_version = state.step, state.policy_version
         run = self.cfg.run
@@ -158,10 +158,9 @@ class Trainer:
         self._resume()
         self._next_plan = None
         if self.rollouts.remote:
-            if self.step in self.session.published_versions():
-                self.policy_version = self.step
-            else:
-                self.publish()
+            # published again when it was already (a restart): its uri may be served by this process
+            # only, and after lost updates the weights of that version are this trainer's
+            self.publish()
 
     def train_step(self) -> dict[str, float]:
         """One training step on every rank; returns its metrics (rank 0's include the pool's)."""
@@ -344,7 +343,19 @@ class Trainer:
         version = self.step
         run = self.cfg.run
         uri = self.publisher.publish(self.learner.model, self.tokenizer, run.pool, run.name, version)
-        self.session.publish(version, uri, self.step)
+        registered = self.session.publish(version, uri, self.step)
+        if registered != uri and dist.is_main():
+            log.warning(
+                "policy version %d of run %s was published before at %s (by an earlier trainer of "
+                "the run); workers load it from there, not from %s%s",
+                version,
+                run.name,
+                registered,
+                uri,
+                " (fix rollout.publish_port so that a restarted trainer serves the same uris)"
+                if self.cfg.rollout.publish == "http"
+                else "",
+            )
         self.policy_version = version
         return uri
 

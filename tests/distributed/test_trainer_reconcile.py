@@ -1,7 +1,8 @@
 """The trainer reconciles with the pool's view of its run, never guessing: a commit refused because
 its batch is already committed takes the pool's result of that commit, and a trainer resumed from a
 checkpoint older than the pool's step continues from the pool's step, naming the lost updates in one
-log line and recording their count once as `run/lost_updates`."""
+log line and recording their count once as `run/lost_updates`; with remote workers it publishes its
+own weights as the pool's version, so the workers generate with what the trainer holds."""
 
 from __future__ import annotations
 
@@ -11,15 +12,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from exgrpo_client import Client, rollout
 from exgrpo_client import schemas as s
 from exgrpo_client.errors import Conflict
 from exgrpo_trainer.config import RunSection
 from exgrpo_trainer.pool_session import PoolSession
-from exgrpo_trainer.trainer import run_training
+from exgrpo_trainer.trainer import Trainer, run_training
 
 from ._helpers import make_pool, read_metrics, run_config
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def _groups(plan: s.BatchPlan, reward: float) -> list[s.GroupResult]:
@@ -64,7 +72,7 @@ def test_resuming_behind_the_pool_names_the_lost_updates(
     live_server: Any, pool_name: str, tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     out = tmp_path / "run"
-    settings = ("schedule.checkpoint_every=2", "schedule.publish_every=0")
+    settings = ("schedule.checkpoint_every=2", "schedule.publish_every=1")
     with Client(live_server.url) as client:
         make_pool(client, pool_name)
     run_training(run_config(live_server.url, pool_name, tiny_model, out, "run.steps=3", *settings))
@@ -72,12 +80,25 @@ def test_resuming_behind_the_pool_names_the_lost_updates(
     ckpts = out / "checkpoints" / pool_name / "run-1"
     shutil.rmtree(ckpts / "step-000003")
     (ckpts / "latest").write_text("step-000002")
+    published = out / "published" / pool_name / "run-1"
+    assert not _same_weights(published / "v000003", published / "v000002")
+
+    # a trainer with remote workers publishes its weights as the pool's version at attach: after
+    # lost updates the version its first plan names holds the checkpoint's weights, not the lost ones
+    remote = Trainer(
+        run_config(live_server.url, pool_name, tiny_model, out, "rollout.engine=remote", *settings)
+    )
+    try:
+        remote.attach()
+        assert (remote.step, remote.policy_version, remote.lost_updates) == (3, 3, 1)
+    finally:
+        remote.close()
+    assert _same_weights(published / "v000003", published / "v000002")
+    caplog.clear()
 
     with caplog.at_level(logging.WARNING, logger="exgrpo.trainer"):
         run_training(run_config(live_server.url, pool_name, tiny_model, out, "run.steps=5", *settings))
-    lines = [
-        r.getMessage() for r in caplog.records if "are lost" in r.getMessage() or "is lost" in r.getMessage()
-    ]
+    lines = [r.getMessage() for r in caplog.records if "are lost" in r.getMessage()]
     assert len(lines) == 1, caplog.text
     assert "the pool has committed step 3" in lines[0] and "holds the weights after step 2" in lines[0]
     assert "the updates of step 3 are lost" in lines[0]
