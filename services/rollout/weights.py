@@ -34,7 +34,7 @@ import struct
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, runtime_checkable
 from urllib.parse import quote, unquote, urlparse
 from urllib.request import url2pathname
 
@@ -61,6 +61,7 @@ __all__ = [
     "shm_files",
     "shm_path",
     "write_state",
+    "write_state_file",
 ]
 
 SHM_ROOT = Path("/dev/shm")
@@ -188,6 +189,23 @@ def write_state(prefix: bytes, placed: list[tuple[torch.Tensor, int]], out: Any)
         dst.copy_(src.contiguous().reshape(-1).view(torch.uint8))
     view[8 : len(prefix)] = prefix[8:]
     view[:8] = prefix[:8]
+
+
+def write_state_file(prefix: bytes, placed: list[tuple[torch.Tensor, int]], f: BinaryIO) -> None:
+    """Write an `encoded_layout` into an open binary file, in the same order as `write_state`
+    (length invalidated first, header last). Writing into a file that already has its pages (a
+    reused shared-memory segment) costs one copy and no page faults."""
+    f.seek(0)
+    f.write(b"\xff" * 8)
+    f.seek(len(prefix))
+    for t, _start in placed:  # in file order
+        if t.numel():
+            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    f.seek(8)
+    f.write(prefix[8:])
+    f.seek(0)
+    f.write(prefix[:8])
+    f.flush()
 
 
 def encode_state(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytearray:

@@ -34,6 +34,7 @@ import socket
 import tempfile
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Generic, Literal, Protocol, TypeVar
@@ -42,7 +43,7 @@ from urllib.parse import quote, unquote
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from exgrpo_rollout.weights import FILES, SHM_ROOT, encoded_layout, policy_path, write_state
+from exgrpo_rollout.weights import FILES, SHM_ROOT, encoded_layout, policy_path, write_state, write_state_file
 from exgrpo_trainer import dist
 from exgrpo_trainer.model import publishable_state, write_model_files
 
@@ -110,10 +111,7 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict
     prefix, placed, _ = encoded_layout(state, metadata)
     tmp = path.with_name(path.name + ".partial")
     with open(tmp, "wb") as f:
-        f.write(prefix)
-        for t, _start in placed:  # in file order
-            if t.numel():
-                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        write_state_file(prefix, placed, f)
     os.replace(tmp, path)
 
 
@@ -324,7 +322,14 @@ def _is_version(part: str) -> bool:
     return len(part) > 1 and part[0] == "v" and part[1:].isdigit()
 
 
-class ShmPublisher(_MemoryPublisher[Path]):
+@dataclass
+class _Segment:
+    path: Path
+    map: mmap.mmap
+    """Kept mapped: rewriting a mapped segment is a plain copy, without a page fault per page."""
+
+
+class ShmPublisher(_MemoryPublisher[_Segment]):
     """Writes each version once into a POSIX shared-memory segment of this host (see the module
     docstring). Segments are named ``<prefix>.<pool>.<run>.v000010``; the model's small files go to
     the folder ``<prefix>.<pool>.<run>.files`` (`exgrpo_rollout.weights.shm_files`). `prefix`
@@ -338,7 +343,7 @@ class ShmPublisher(_MemoryPublisher[Path]):
         super().__init__(keep)
         self.root = root
         self.prefix = prefix or f"exgrpo-{os.getpid()}-{os.urandom(3).hex()}"
-        self._retired: list[Path] = []
+        self._retired: list[_Segment] = []
         """Segments of dropped versions (no uri names them any more), rewritten for new versions."""
 
     def segment(self, pool: str, run: str, version: int) -> str:
@@ -355,34 +360,43 @@ class ShmPublisher(_MemoryPublisher[Path]):
         path = self.root / name
         prefix, placed, total = encoded_layout(state, self._metadata(pool, run, version))
         tmp = path.with_name(name + ".partial")
-        if self._retired:
-            # the segment of a dropped version, renamed away from its uri and rewritten in place
-            # (its pages are already allocated); a worker still loading it sees the header change
-            os.replace(self._retired.pop(), tmp)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size != total:
+        seg = self._retired.pop() if self._retired else None
+        if seg is not None and len(seg.map) == total:
+            # the segment of a dropped version, renamed away from its uri and rewritten in place;
+            # a worker still loading it sees the header change (`policy_state`)
+            os.replace(seg.path, tmp)
+        else:
+            if seg is not None:
+                _drop(seg)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
                 os.ftruncate(fd, total)
-            with mmap.mmap(fd, total) as mm:
-                write_state(prefix, placed, mm)
-        finally:
-            os.close(fd)
+                seg = _Segment(tmp, mmap.mmap(fd, total))
+            finally:
+                os.close(fd)
+        write_state(prefix, placed, seg.map)
         os.replace(tmp, path)  # readers never see a partly written segment under its name
-        for _, old in self.versions.put((pool, run, version), path):
+        seg.path = path
+        for _, old in self.versions.put((pool, run, version), seg):
             self._retired.append(old)
         while len(self._retired) > 1:
-            with contextlib.suppress(FileNotFoundError):  # processes that mapped it keep their mapping
-                self._retired.pop(0).unlink()
+            _drop(self._retired.pop(0))
         return f"shm://{quote(name, safe='')}"
 
     def close(self) -> None:
-        for path in [*(p for _, p in self.versions.clear()), *self._retired]:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+        for seg in [*(v for _, v in self.versions.clear()), *self._retired]:
+            _drop(seg)
         self._retired = []
         for pool, run in self.files:
             shutil.rmtree(self.root / f"{self.prefix}.{pool}.{run}.{FILES}", ignore_errors=True)
         self.files.clear()
+
+
+def _drop(seg: _Segment) -> None:
+    """Unmap and unlink a segment (processes that mapped it keep their mapping)."""
+    seg.map.close()
+    with contextlib.suppress(FileNotFoundError):
+        seg.path.unlink()
 
 
 def make_publisher(
