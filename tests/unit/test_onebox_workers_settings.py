@@ -1,6 +1,6 @@
 """`exgrpo run --workers N` and `--max-policy-lag N` resolve to the trainer's remote engine (the
 quick recipe says colocated), and settings that cannot work together are refused before anything
-starts, naming the setting to change. The worker command line follows the trainer config."""
+starts, naming the setting to change. The workers' settings follow the trainer config."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from exgrpo_onebox.config import MainJobOptions, resolve
-from exgrpo_onebox.fleet import WorkerFleet, worker_command
+from exgrpo_onebox.fleet import WorkerFleet, worker_config
 
 
 def test_workers_make_the_job_remote_and_synchronous_by_default() -> None:
@@ -40,21 +40,18 @@ def test_settings_that_cannot_work_together_are_refused(opts: MainJobOptions, me
         resolve(opts)
 
 
-def test_the_worker_command_follows_the_trainer_config(tmp_path: Path) -> None:
+def test_the_workers_follow_the_trainer_config(tmp_path: Path) -> None:
     cfg = resolve(MainJobOptions(quick=True, workers=2, overrides=["run.retry_budget_s=42"])).config
-    command = worker_command("http://127.0.0.1:1", cfg, "w1", tmp_path, lease_seconds=7)
-    assert command[3:6] == ["--url", "http://127.0.0.1:1", "rollout"]
-    for flag, value in {
-        "--pool": cfg.run.pool,
-        "--run": cfg.run.name,
-        "--model": str(tmp_path),
-        "--worker-id": "w1",
-        "--grader": cfg.rollout.grader,
-        "--max-new-tokens": str(cfg.rollout.max_new_tokens),
-        "--max-prompt-len": str(cfg.model.max_prompt_len),
-        "--lease-seconds": "7",
-        "--retry-budget-s": "42.0",
-    }.items():
-        assert command[command.index(flag) + 1] == value, (flag, command)
+    fleet = WorkerFleet("http://127.0.0.1:1", cfg, tmp_path / "model", tmp_path, count=2, lease_seconds=7)
+    assert fleet.names == ["w1", "w2"]
+    spec = fleet.spec("w2")
+    assert (spec.url, spec.model, spec.log) == ("http://127.0.0.1:1", tmp_path / "model", tmp_path / "w2.log")
+    assert spec.config == worker_config(cfg, "w2", lease_seconds=7)
+    w, r = spec.config, cfg.rollout
+    assert (w.pools, w.runs, w.worker_id, w.lease_seconds) == ([cfg.run.pool], [cfg.run.name], "w2", 7)
+    assert (w.grader, w.max_prompt_len, w.drop_system) == (r.grader, cfg.model.max_prompt_len, False)
+    # sampling: the fallback for tasks without settings; the trainer's tasks carry the same
+    assert (w.temperature, w.top_p, w.max_new_tokens) == (r.temperature, r.top_p, r.max_new_tokens)
+    assert w.retry_budget_s == 42
     with pytest.raises(ValueError, match="at least one worker"):
         WorkerFleet("http://127.0.0.1:1", cfg, tmp_path, tmp_path, count=0)
