@@ -211,7 +211,7 @@ def _workers(url: str, cfg: OneBoxConfig, model: Path, console: Console) -> Iter
     mode = (
         "synchronous: every batch generated with the trainer's current weights"
         if cfg.rollout.max_policy_lag == 0
-        else f"asynchronous, at most {cfg.rollout.max_policy_lag} versions behind"
+        else f"asynchronous, at most {cfg.rollout.max_policy_lag} policy version(s) behind"
     )
     try:
         with console.status(f"starting {cfg.job.workers} rollout workers (logs in {folder})"):
