@@ -252,11 +252,13 @@ class Trainer:
     def _rollout_metrics(
         self, held: int, generated: Generated, rows: list[Row], learned: LearnResult
     ) -> dict[str, float]:
-        """`rollout/policy_lag_max` (0 for the colocated engine: it samples with the weights it
-        updates) and, with the sampler's log-probs, `rollout/logprob_gap` on the first mini-batch;
-        once after a resume, `run/lost_updates`."""
-        out = {"rollout/policy_lag_max": policy_lag(held, generated.versions or [held])}
+        """Remote workers: `rollout/policy_lag_max` and, with the sampler's log-probs,
+        `rollout/logprob_gap` on the first mini-batch (neither for the colocated engine: it samples
+        with the weights it updates, lag 0 by construction, and records no log-probs); once after a
+        resume, `run/lost_updates`."""
+        out: dict[str, float] = {}
         if generated.versions is not None:
+            out["rollout/policy_lag_max"] = policy_lag(held, generated.versions)
             gap = logprob_gap(rows, learned.old_logprobs, learned.first_minibatch)
             if gap is not None:
                 out["rollout/logprob_gap"] = gap
