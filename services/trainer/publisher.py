@@ -18,13 +18,16 @@ elsewhere). Three ways, chosen by `rollout.publish`:
 
 The memory publishers keep the newest `keep` versions of each run (older ones are dropped: a
 worker still reading one keeps its buffer alive until it is done) and free everything at `close()`.
-A trainer that restarts gets a new server port unless `rollout.publish_port` is fixed, so versions
-published by the previous process are no longer served; see docs/benchmarks.md for the costs.
+A restarted trainer publishes its current version again: shm segment names follow the output
+folder, so the uri is the one the service holds; an http uri is the same only when
+`rollout.publish_port` is fixed (with a free port the service refuses the new uri with 409). Costs
+and choice: docs/benchmarks.md, section "Weight publication".
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import mmap
@@ -407,11 +410,14 @@ def make_publisher(
     port: int = 0,
     keep: int = 2,
 ) -> WeightPublisher:
-    """The publisher of `rollout.publish`."""
+    """The publisher of `rollout.publish`. Segment names of shm are derived from the output folder,
+    so a trainer restarted on the same folder publishes a version under the uri the service already
+    holds for it (the service accepts the same uri again, and refuses another)."""
     if kind == "file":
         return FilePublisher(published_root)
     if kind == "http":
         return HttpPublisher(addr=addr, port=port, keep=keep)
     if kind == "shm":
-        return ShmPublisher(keep=keep)
+        digest = hashlib.sha256(str(published_root.resolve()).encode()).hexdigest()[:12]
+        return ShmPublisher(prefix=f"exgrpo-{digest}", keep=keep)
     raise ValueError(f"unknown publish kind {kind!r}: use file, http or shm")

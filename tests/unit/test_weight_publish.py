@@ -27,7 +27,13 @@ from exgrpo_rollout.weights import (
     policy_state,
     shm_path,
 )
-from exgrpo_trainer.publisher import FilePublisher, HttpPublisher, ShmPublisher, WeightPublisher
+from exgrpo_trainer.publisher import (
+    FilePublisher,
+    HttpPublisher,
+    ShmPublisher,
+    WeightPublisher,
+    make_publisher,
+)
 
 KINDS = ["file", "http", "shm"]
 
@@ -231,3 +237,27 @@ def test_an_http_buffer_being_sent_is_not_reused(tokenizer: PreTrainedTokenizerF
         assert pub.versions.get(("pool-a", "run-1", 3)) is v1, "a dropped buffer nobody sends is reused"
     finally:
         pub.close()
+
+
+def test_a_restarted_trainer_publishes_shm_under_the_same_uri(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("POSIX shared memory (/dev/shm) is Linux only")
+    trainer = _model(tokenizer, seed=10)
+    engine = TransformersEngine(_model(tokenizer, seed=11), tokenizer)
+    crashed = make_publisher("shm", tmp_path / "published")
+    uri = crashed.publish(trainer, tokenizer, "pool-a", "run-1", 3)  # never closed: the process died
+    restarted = make_publisher("shm", tmp_path / "published")
+    other = make_publisher("shm", tmp_path / "elsewhere")
+    try:
+        with torch.no_grad():
+            trainer.model.norm.weight.add_(1.0)  # the restarted trainer's weights of that version
+        assert restarted.publish(trainer, tokenizer, "pool-a", "run-1", 3) == uri
+        load_policy(engine, uri)
+        _assert_same_weights(engine, trainer)
+        assert other.publish(trainer, tokenizer, "pool-a", "run-1", 3) != uri
+    finally:
+        restarted.close()
+        other.close()
+    assert not shm_path(uri).exists()
