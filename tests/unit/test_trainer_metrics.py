@@ -1,10 +1,12 @@
-"""How the trainer merges the metrics of micro-batches, ranks and mini-batches into one step."""
+"""How the trainer merges the metrics of micro-batches, ranks and mini-batches into one step, and
+how far a step's samples were from the policy that learns from them."""
 
 from __future__ import annotations
 
 import pytest
 
-from exgrpo_trainer.step_metrics import merge_update_metrics
+from exgrpo_trainer.algo import Row
+from exgrpo_trainer.step_metrics import logprob_gap, merge_update_metrics, policy_lag
 
 
 def _mb(index: int, fresh: float, replay: float, **values: float) -> dict[str, float]:
@@ -37,3 +39,27 @@ def test_importance_weights_come_from_micro_batches_with_replayed_tokens() -> No
     assert out["actor/ratio_mean"] == pytest.approx((1.0 * 20 + 1.2 * 10) / 30)  # fresh tokens only
     assert "is/w_mean" not in merge_update_metrics([[parts[0]]])
     assert merge_update_metrics([[], []]) == {}
+
+
+def _row(response: list[int], sampler: list[float] | None, *, replayed: bool = False) -> Row:
+    return Row(group=0, question_id=1, prompt_ids=[5], response_ids=response, reward=1.0,
+               behaviour_logprobs=sampler, replayed=replayed)  # fmt: skip
+
+
+def test_logprob_gap_is_a_token_mean_over_the_generated_rows_given() -> None:
+    rows = [
+        _row([1, 2], [-1.0, -2.0]),
+        _row([3, 4], [-0.5, -0.5], replayed=True),  # stored log-probs, not the sampler's
+        _row([5], None),  # a worker that reported none
+        _row([6, 7, 8], [-1.0, -1.0, -1.0]),
+    ]
+    old = [[-1.5, -2.0], [-9.0, -9.0], [-9.0], [-1.0, -1.25, -0.5]]
+    # |0.5| + 0 + 0 + |0.25| + |0.5| over the 5 tokens of rows 0 and 3
+    assert logprob_gap(rows, old, [0, 1, 2, 3]) == pytest.approx(1.25 / 5)
+    assert logprob_gap(rows, old, [3]) == pytest.approx(0.75 / 3)  # only the rows given
+    assert logprob_gap(rows, old, [1, 2]) is None
+
+
+def test_policy_lag_counts_from_the_oldest_version() -> None:
+    assert policy_lag(7, [7, 6, 7]) == 1.0
+    assert policy_lag(7, [7]) == 0.0 and policy_lag(3, []) == 0.0
