@@ -108,3 +108,13 @@ def test_resuming_behind_the_pool_names_the_lost_updates(
     assert [m.get("run/lost_updates") for m in metrics] == [None, None, None, 1.0, None]
     with Client(live_server.url) as client:
         assert client.get_run(pool_name, "run-1").step == 5
+
+
+def test_the_sessions_own_client_retries_for_the_configured_budget() -> None:
+    """A pool restart of minutes is ridden through: the client the session opens retries each call
+    for `run.retry_budget_s`, not a count of attempts."""
+    session = PoolSession(RunSection(retry_budget_s=900.0), s.RunOverrides())
+    try:
+        assert session.client is not None and session.client.retry_policy.budget_s == 900.0
+    finally:
+        session.close()
