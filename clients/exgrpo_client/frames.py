@@ -140,8 +140,8 @@ def encode(body: dict[str, Any], payloads: Sequence[tuple[Any, Any] | None]) -> 
     """A frame of `body` (without payload fields) and one payload per slot: (ids, log-probs) as
     numpy arrays or packed little-endian bytes, or None."""
     lengths = np.empty(len(payloads), dtype="<i4")
-    ids: list[bytes] = []
-    lps: list[bytes] = []
+    ids: list[bytes | memoryview] = []
+    lps: list[bytes | memoryview] = []
     for i, p in enumerate(payloads):
         if p is None:
             lengths[i] = -1
