@@ -41,6 +41,23 @@ def test_importance_weights_come_from_micro_batches_with_replayed_tokens() -> No
     assert merge_update_metrics([[], []]) == {}
 
 
+def test_behaviour_weights_are_means_over_fresh_tokens() -> None:
+    # the decoupled loss reports its behaviour weights over fresh tokens only: a micro-batch of
+    # replayed tokens must not pull the mean towards its value, nor count in the max / min
+    parts = [
+        _mb(0, 30, 0, **{"actor/behav_weight_mean": 1.0, "actor/behav_weight_max": 1.5,
+                         "actor/behav_weight_min": 0.5, "actor/behav_capped_frac": 0.0}),
+        _mb(0, 10, 50, **{"actor/behav_weight_mean": 2.0, "actor/behav_weight_max": 3.0,
+                          "actor/behav_weight_min": 0.9, "actor/behav_capped_frac": 0.5}),
+        _mb(1, 0, 40, **{"actor/behav_weight_mean": 0.0, "actor/behav_weight_max": 0.0,
+                         "actor/behav_weight_min": 0.0, "actor/behav_capped_frac": 0.0}),
+    ]  # fmt: skip
+    out = merge_update_metrics([parts])
+    assert out["actor/behav_weight_mean"] == pytest.approx((1.0 * 30 + 2.0 * 10) / 40)
+    assert out["actor/behav_capped_frac"] == pytest.approx(0.5 * 10 / 40)
+    assert out["actor/behav_weight_max"] == 3.0 and out["actor/behav_weight_min"] == 0.5
+
+
 def _row(response: list[int], sampler: list[float] | None, *, replayed: bool = False) -> Row:
     return Row(group=0, question_id=1, prompt_ids=[5], response_ids=response, reward=1.0,
                behaviour_logprobs=sampler, replayed=replayed)  # fmt: skip
