@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
 CACHE = OUT / "cache"
 SERVE = ROOT / "bench" / "_serve.py"
+FLOOR = ROOT / "bench" / "_floor.py"
 GOAL_MS = 100.0
 GOAL_SELECT_GROWTH = 2.0
 
@@ -109,13 +110,16 @@ class Server:
                 self.proc.wait()
 
 
-def start_server(env_extra: dict[str, str], log_path: Path, profile_path: Path | None) -> Server:
+def start_server(
+    env_extra: dict[str, str], log_path: Path, profile_path: Path | None, script: Path = SERVE
+) -> Server:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXGRPO_")}
     env.update(
         EXGRPO_ALLOW_ANONYMOUS="true",
         EXGRPO_HOST="127.0.0.1",
         EXGRPO_PORT=str(port),
+        FLOOR_PORT=str(port),
         EXGRPO_BENCH_TIMING="1",
         **env_extra,
     )
@@ -124,7 +128,7 @@ def start_server(env_extra: dict[str, str], log_path: Path, profile_path: Path |
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, str(SERVE)], env=env, cwd=ROOT, stdout=logf, stderr=logf)
+        proc = subprocess.Popen([sys.executable, str(script)], env=env, cwd=ROOT, stdout=logf, stderr=logf)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     with httpx.Client(trust_env=False, timeout=5) as c:
@@ -341,6 +345,7 @@ class Options:
     unrelated_keys: int = 100_000
     mix_s: float = 0.0
     mix_only: bool = False
+    floor: bool = False
 
 
 @dataclass
@@ -480,6 +485,96 @@ async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
     res["memory_mb"] = memory
     res["rss_end_mb"] = memory["end"]["rss"]
     res["rss_peak_mb"] = max(m["peak"] for m in memory.values())
+
+
+async def against_floor(server: Server, floor: Server, opts: Options, combo: Combo) -> None:
+    """The service and the floor (``_floor.py``: the same work on a copy of the same database)
+    side by side, request by request: service, floor, service, floor... in every encoding, so
+    both see the same load. Each has its own trainer of the same seed, so the bodies match in
+    size and mix; the plans match too while both pick the same replays from the same index."""
+    res = combo.result
+    prefix = f"/v1/pools/{_seed.POOL_NAME}"
+    encs = opts.encodings
+    sides = ("service", "floor")
+    samples: dict[str, dict[str, dict[str, list[Sample]]]] = {
+        side: {e: {w: [] for w in ("plan", "commit", "select", "select_ids")} for e in encs} for side in sides
+    }
+    async with (
+        httpx.AsyncClient(base_url=server.url, timeout=300, trust_env=False) as c1,
+        httpx.AsyncClient(base_url=floor.url, timeout=300, trust_env=False) as c2,
+    ):
+        apis = {"service": Api(c1, server.proc.pid), "floor": Api(c2, floor.proc.pid)}
+        trainers = {side: Trainer(seed=combo.size) for side in sides}
+        # what each side did, to show it is the same work: per plan the replays and candidates,
+        # per commit the stored and retired, and how many plans picked the very same questions
+        work: dict[str, dict[str, list[int]]] = {
+            side: {"replayed": [], "candidates": [], "stored": [], "retired": []} for side in sides
+        }
+        same_plans = 0
+        for key, mode in (("select", opts.candidates), ("select_ids", "none")):
+            for i in range(opts.warmup + opts.select_iterations):
+                for enc in encs:
+                    body = json.dumps({"n": 64, "seed": 1000 + i, "candidates": mode}).encode()
+                    for side in sides:
+                        path = f"{prefix}/runs/{_seed.RUN_NAME}/select"
+                        _, smp = await timed_post(apis[side], path, body, wire_headers(enc))
+                        if i >= opts.warmup:
+                            samples[side][enc][key].append(smp)
+        for i in range(opts.warmup + opts.iterations):
+            for enc in encs:
+                picked: list[list[int]] = []
+                for side in sides:
+                    p, c, plan, result = await plan_commit(apis[side], trainers[side], prefix, opts, enc)
+                    picked.append(sorted(x["question_id"] for x in plan["fresh"] + plan["replay"]))
+                    w = work[side]
+                    w["replayed"].append(len(plan["replay"]))
+                    w["candidates"].append(sum(len(x["candidates"]) for x in plan["replay"]))
+                    w["stored"].append(result["stored_trajectories"])
+                    w["retired"].append(result["retired"])
+                    if i >= opts.warmup:
+                        samples[side][enc]["plan"].append(p)
+                        samples[side][enc]["commit"].append(c)
+                same_plans += picked[0] == picked[1]
+            if (i + 1) % 10 == 0:
+                log(f"    {combo.backend} {combo.size}: {i + 1}/{opts.warmup + opts.iterations} rounds")
+    out: dict[str, Any] = {}
+    for enc in encs:
+        for what in ("plan", "commit", "select", "select_ids"):
+            a, b = summarize(samples["service"][enc][what]), summarize(samples["floor"][enc][what])
+            out.setdefault(enc, {})[what] = {
+                "service": a,
+                "floor": b,
+                "ratio_p50": round(a["p50_ms"] / b["p50_ms"], 2),
+                "ratio_p99": round(a["p99_ms"] / b["p99_ms"], 2),
+                "ratio_cpu": round(a["server_cpu_mean_ms"] / b["server_cpu_mean_ms"], 2),
+            }
+    res["floor"] = out
+    res["floor_work"] = {
+        "plans": len(work["service"]["replayed"]),
+        "same_questions_planned": same_plans,
+        **{f"{side}_{k}_mean": round(float(np.mean(v)), 1) for side in sides for k, v in work[side].items()},
+    }
+    log(f"    work: {res['floor_work']}")
+
+
+def floor_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: service against the floor, per backend, size, encoding and request type."""
+    out = [
+        "| backend | questions | encoding | request | service p50 | service p99 | floor p50 | floor p99 "
+        "| p50 ratio | p99 ratio | service CPU | floor CPU | CPU ratio |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        for enc, whats in r.get("floor", {}).items():
+            for what, x in whats.items():
+                a, b = x["service"], x["floor"]
+                out.append(
+                    f"| {r['backend']} | {r['questions']:,} | {enc} | {what} | {_f(a['p50_ms'])} "
+                    f"| {_f(a['p99_ms'])} | {_f(b['p50_ms'])} | {_f(b['p99_ms'])} | {x['ratio_p50']:.2f} "
+                    f"| {x['ratio_p99']:.2f} | {_f(a['server_cpu_mean_ms'])} | {_f(b['server_cpu_mean_ms'])} "
+                    f"| {x['ratio_cpu']:.2f} |"
+                )
+    return out
 
 
 MIX_TRAINERS, MIX_INGESTERS, MIX_READERS = 20, 4, 26
@@ -700,8 +795,12 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
     redis_prefix = f"exgrpo-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     work_db = f"exgrpo_bench_work_{os.getpid()}"
     work_file = OUT / "work" / f"sqlite-{size}.db"
+    floor_file = OUT / "work" / f"sqlite-{size}-floor.db"
+    floor_db = f"{work_db}_floor"
+    floor_url = ""
     env: dict[str, str]
     server: Server | None = None
+    floor: Server | None = None
     try:
         if backend == "sqlite":
             seed_file = CACHE / f"sqlite-{size}.db"
@@ -713,6 +812,9 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
             res["db_bytes"] = seed_file.stat().st_size
             res["copy_s"] = round(_seed.copy_sqlite(seed_file, work_file), 1)
             env = {"EXGRPO_DATABASE_URL": f"sqlite+aiosqlite:///{work_file}"}
+            if opts.floor:
+                _seed.copy_sqlite(seed_file, floor_file)
+                floor_url = str(floor_file)
         else:
             seed_db = f"exgrpo_bench_seed_{size}"
             if fresh_seed or not await _seed.pg_cache_ok(shape, opts.pg_dsn, seed_db):
@@ -722,6 +824,9 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
                 res["seed_s"] = "cached"
             res["copy_s"] = round(await _seed.copy_postgres(opts.pg_dsn, seed_db, work_db), 1)
             res["db_bytes"] = await _pg_size(opts.pg_dsn, work_db)
+            if opts.floor:
+                await _seed.copy_postgres(opts.pg_dsn, seed_db, floor_db)
+                floor_url = _seed.pg_url(opts.pg_dsn, floor_db)
             env = {
                 "EXGRPO_DATABASE_URL": _seed.pg_url(opts.pg_dsn, work_db, driver=True),
                 "EXGRPO_REDIS_URL": opts.redis_url,
@@ -734,17 +839,29 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
         res["startup_s"] = round(server.startup_s, 2)
         log(f"  {tag}: ready in {server.startup_s:.1f}s, measuring")
         res["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
-        await run_workload(server, opts, combo)
+        if opts.floor:
+            floor_log = OUT / "logs" / f"floor-{tag}.log"
+            floor = await asyncio.to_thread(
+                start_server, {"FLOOR_DATABASE": floor_url}, floor_log, None, FLOOR
+            )
+            await against_floor(server, floor, opts, combo)
+        else:
+            await run_workload(server, opts, combo)
         res["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     finally:
         if server is not None:
             server.stop()
+        if floor is not None:
+            floor.stop()
         if backend == "sqlite":
-            for p in (work_file, Path(f"{work_file}-wal"), Path(f"{work_file}-shm")):
-                p.unlink(missing_ok=True)
+            for f in (work_file, floor_file):
+                for p in (f, Path(f"{f}-wal"), Path(f"{f}-shm")):
+                    p.unlink(missing_ok=True)
         else:
             with contextlib.suppress(Exception):
                 await _seed.pg_admin(opts.pg_dsn, f"DROP DATABASE IF EXISTS {work_db} WITH (FORCE)")
+                if opts.floor:
+                    await _seed.pg_admin(opts.pg_dsn, f"DROP DATABASE IF EXISTS {floor_db} WITH (FORCE)")
             _redis_cleanup(opts.redis_url, redis_prefix)
     if opts.profile and profile_path is not None and profile_path.exists():
         _profile_report(profile_path, OUT / f"profile-{tag}.txt")
@@ -1077,6 +1194,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mix", type=float, default=0.0, metavar="SECONDS", help="run the 50-client mix so long")
     ap.add_argument("--mix-only", action="store_true", help="start the service and run only the mix")
     ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="only select, plan and commit, interleaved with the floor (bench/_floor.py) on a copy",
+    )
+    ap.add_argument(
         "--unrelated-keys",
         type=int,
         default=100_000,
@@ -1116,6 +1238,7 @@ def main(argv: list[str] | None = None) -> int:
         unrelated_keys=args.unrelated_keys,
         mix_s=args.mix or (60.0 if args.mix_only else 0.0),
         mix_only=args.mix_only,
+        floor=args.floor,
     )
     if not opts.encodings or set(opts.encodings) - {"json", "binary"}:
         raise SystemExit(f"--encodings takes json and/or binary, got {args.encodings!r}")
@@ -1138,6 +1261,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{backend} {size:,} questions")
             combos.append(asyncio.run(measure(backend, size, opts, args.reseed)))
             r = combos[-1].result
+            if opts.floor:
+                continue
             if opts.mix_only:
                 m = r["mix"]
                 log(f"  {backend} {size:,}: mix {m['requests']} requests, {m['requests_per_s']:.2f}/s")
@@ -1148,7 +1273,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"select {r['select']['p50_ms']:.1f}/{r['select']['p99_ms']:.1f} ms, "
                 f"ingest {r['ingest']['trajectories_per_s']:.0f} traj/s, RSS {r['rss_end_mb']:.0f} MB"
             )
-    if opts.mix_only:
+    if opts.mix_only or opts.floor:
         doc = {
             "environment": environment(),
             "options": opts.__dict__,
@@ -1156,7 +1281,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=2))
-        print("\n".join(mix_table(doc["results"])))
+        print("\n".join(floor_table(doc["results"]) if opts.floor else mix_table(doc["results"])))
         return 0
     goal_rows = goals(combos)
     doc = {
