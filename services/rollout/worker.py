@@ -54,12 +54,15 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -69,7 +72,7 @@ from exgrpo_client.schemas import PolicyVersionPublic, RolloutResult, SamplingPa
 from exgrpo_rollout.engines.base import Completion, GenerationEngine, SamplingConfig
 from exgrpo_rollout.logs import fields
 from exgrpo_rollout.prompts import render_prompt
-from exgrpo_rollout.weights import load_policy, path_from_uri
+from exgrpo_rollout.weights import fetch_model_dir, load_policy, path_from_uri
 
 if TYPE_CHECKING:
     from exgrpo_rollout.engines.factory import EngineName
@@ -1062,26 +1065,28 @@ def run_worker(
                 f"no run served ({', '.join(config.pools)}; runs: {config.runs or 'all'}) has a published "
                 "policy version to start from: give --model DIR"
             )
-        try:
-            model = path_from_uri(loaded.uri)
-        except ValueError:
-            raise ValueError(
-                f"the newest published policy ({loaded.label}, {loaded.uri}) is not a folder an engine "
-                "can start from: give --model DIR"
-            ) from None
+        # a file:// policy is its folder; an http:// or shm:// one is written to a temporary folder
+        # once, to build the engine from (the engine holds the weights in memory afterwards)
+        start_dir = Path(tempfile.mkdtemp(prefix="exgrpo-worker-start-"))
+        model = str(fetch_model_dir(loaded.uri, start_dir))
     else:
         loaded = Weights(None, None, -1, model)
+        start_dir = None
     log.info("engine_loading", extra=fields(engine=engine, model=model))
     start = time.perf_counter()
-    gen, tokenizer = load_engine(
-        engine,
-        model,
-        device=device,
-        dtype=dtype,
-        seed=seed,
-        torch_threads=torch_threads,
-        vllm_options=vllm_options,
-    )
+    try:
+        gen, tokenizer = load_engine(
+            engine,
+            model,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            torch_threads=torch_threads,
+            vllm_options=vllm_options,
+        )
+    finally:
+        if start_dir is not None:
+            shutil.rmtree(start_dir, ignore_errors=True)
     log.info("engine_ready", extra=fields(engine=engine, seconds=round(time.perf_counter() - start, 2)))
     metrics = None
     if metrics_port is not None:

@@ -2,7 +2,8 @@
 two workers share a batch, a killed worker's task is redone after its lease expires, SIGTERM fails
 the in-flight task back; one worker serves two runs of a pool, each task generated with exactly the
 policy version of its own run (checked on the sampler's log-probs against each version's weights),
-and an exact task whose version cannot be loaded is failed back, never served with other weights."""
+and an exact task whose version cannot be loaded is failed back, never served with other weights;
+a worker without a model folder starts from a policy published over HTTP."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from exgrpo_client import Client
 from exgrpo_client.schemas import BatchPlan, SamplingParams, decode_ids, decode_logprobs
@@ -30,6 +31,7 @@ from exgrpo_rollout.engines.factory import load_engine
 from exgrpo_rollout.graders import GradingPool
 from exgrpo_rollout.prompts import render_prompt
 from exgrpo_rollout.worker import TEST_DELAY_ENV, RolloutWorker, Weights, WorkerConfig
+from exgrpo_trainer.publisher import HttpPublisher
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -432,3 +434,32 @@ def test_worker_rides_through_a_restart_of_the_pool(
     assert worker.stats.attempts == {t: 1 for t in worker.stats.completed_ids}
     assert worker.stats.generated_with == {t: 0 for t in worker.stats.completed_ids}
     assert worker.stats.tasks_lost == worker.stats.tasks_failed == 0
+
+
+def test_worker_without_a_model_starts_from_a_policy_published_over_http(
+    live_server: Any, client: Client, tiny_model: Path
+) -> None:
+    """`exgrpo rollout` without --model builds its engine from the run's newest policy, here one the
+    trainer serves from memory over HTTP, and completes the batch's tasks with that version."""
+    pool = "http-start"
+    _pool_with_run(client, pool)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    publisher = HttpPublisher(keep=1)
+    try:
+        uri = publisher.publish(model, tokenizer, pool, RUN, 0)
+        client.add_policy_version(pool, RUN, 0, uri)
+        plan = client.plan_batch(pool, RUN, create_tasks=True, policy_version=0)
+        command = [
+            sys.executable, "-m", "exgrpo_cli.main", "--url", live_server.url, "rollout",
+            "--pool", pool, "--run", RUN, "--worker-id", "no-model", "--grader", "math_think",
+            "--grading-workers", "0", "--max-new-tokens", "8", "--max-tasks", str(B),
+            "--device", "cpu", "--torch-threads", "1", "--backoff-max", "0.2",
+        ]  # fmt: skip
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    finally:
+        publisher.close()
+    res = client.batch_results(pool, plan.id)
+    assert res.complete and len(res.groups) == B
+    assert {g.policy_version for g in res.groups} == {0}
