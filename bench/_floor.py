@@ -16,7 +16,8 @@ It does the same reads and writes as the service on a copy of the same database:
   the groups against the plan, decide each group with the service's rule (``decide_group``), read
   the old states, upsert the states, insert the trajectories (SHA-256 dedup key, ON CONFLICT DO
   NOTHING), delete retired questions' trajectories, advance the run, mark the batch committed with
-  its result, upsert the step's metrics; then move the questions in the in-process bucket index.
+  its result and the digest of what it applied (SHA-256 of the groups and a frame's payloads), upsert
+  the step's metrics; then move the questions in the in-process bucket index.
 * select: the replay part of a plan, read-only.
 
 What it leaves out (the service does it): Redis (the floor's bucket index lives in its process on
@@ -409,6 +410,14 @@ class Floor:
         if any(len(g["rollouts"]) != k for g in groups):
             raise Refused(422, "K rollouts per group")
         pay = _payloads(slots, payloads)
+        # what the commit applies, kept with the batch's result (a repeated commit is checked
+        # against it): the groups and policy version, and a frame's payload buffers
+        digest = hashlib.sha256(
+            orjson.dumps({"groups": groups, "policy_version": body.get("policy_version")})
+        )
+        if payloads is not None:
+            digest.update(payloads.token_ids)
+            digest.update(payloads.logprobs)
         await self._idempotent(key, route, raw)
         found = await self.db.fetch(
             "SELECT run_id, step, status, phase, policy_version, plan FROM batch WHERE id = ?", batch_id
@@ -524,7 +533,8 @@ class Floor:
         }
         await self.db.execute(
             "UPDATE batch SET status = ?, metrics = ?, result = ?, committed_at = ? WHERE id = ?",
-            "committed", self._json(metrics), self._json(result), now, batch_id,
+            "committed", self._json(metrics), self._json({**result, "digest": digest.hexdigest()}), now,
+            batch_id,
         )  # fmt: skip
         all_metrics = {
             **metrics,
