@@ -1,5 +1,5 @@
-"""The floor of `pool_bench.py --floor`: the least code that does the pool service's plan, commit
-and select on the benchmark's seeded pool, to measure the service against.
+"""The floor of `pool_bench.py --floor`: the least code that does the pool service's plan, commit,
+select and ingest on the benchmark's seeded pool, to measure the service against.
 
 One uvicorn process (as ``_serve.py`` runs the service: uvloop, httptools), a raw ASGI app (no
 framework, no pydantic), orjson + binascii base64 or the service's own binary frames
@@ -19,6 +19,8 @@ It does the same reads and writes as the service on a copy of the same database:
   its result and the digest of what it applied (SHA-256 of the groups and a frame's payloads), upsert
   the step's metrics; then move the questions in the in-process bucket index.
 * select: the replay part of a plan, read-only.
+* ingest: lock the run row, check the questions are in the pool, then the commit's rules and writes
+  (collection in the mixed phase), without the batch.
 
 What it leaves out (the service does it): Redis (the floor's bucket index lives in its process on
 both backends), leases and fencing tokens, authentication, pydantic validation of every field of
@@ -438,6 +440,47 @@ class Floor:
         got = Counter((g["question_id"], any(r.get("replayed") for r in g["rollouts"])) for g in groups)
         if want != got:
             raise Refused(422, "groups do not match the plan")
+        a = await self._apply(run_id, groups, pay, collect=phase == "mixed", step=step, version=version)
+        now = _now(self.db)
+        solved, stored, retired, moves = a["solved"], a["stored"], a["retired"], a["moves"]
+        await self.db.execute(
+            "UPDATE run SET step = ?, policy_version = ?, updated_at = ? WHERE id = ?",
+            step, max(rversion, version), now, run_id,
+        )  # fmt: skip
+        metrics = {**body.get("metrics", {}), "batch/solved": solved}
+        result = _result(batch_id, self.runs[run_id], step, rphase, a)
+        await self.db.execute(
+            "UPDATE batch SET status = ?, metrics = ?, result = ?, committed_at = ? WHERE id = ?",
+            "committed", self._json(metrics), self._json({**result, "digest": digest.hexdigest()}), now,
+            batch_id,
+        )  # fmt: skip
+        all_metrics = {
+            **metrics,
+            "batch/replayed_questions": float(len(plan["replay"])),
+            "pool/stored_trajectories": float(stored),
+            "pool/retired": float(retired),
+        }
+        await self.db.execute(
+            "INSERT INTO run_metric (run_id, step, metrics, updated_at) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (run_id, step) DO UPDATE SET metrics = excluded.metrics, "
+            "updated_at = excluded.updated_at",
+            run_id, step, self._json(all_metrics), now,
+        )  # fmt: skip
+        await self._record(orjson.dumps(result).decode())
+        self._pending_moves = (run_id, moves)
+        return result
+
+    async def _apply(
+        self,
+        run_id: int,
+        groups: list[dict[str, Any]],
+        pay: list[tuple[bytes, bytes] | None],
+        *,
+        collect: bool,
+        step: int,
+        version: int,
+    ) -> dict[str, Any]:
+        """Retire, bucket and store graded groups in the open transaction (commit and ingest)."""
         now = _now(self.db)
         finals: dict[int, tuple[int, str, int | None]] = {}
         traj_rows: list[tuple[Any, ...]] = []
@@ -447,7 +490,7 @@ class Floor:
         for g in groups:
             rewards = [float(r["reward"]) for r in g["rollouts"]]
             rewards_all += rewards
-            d = decide_group(rewards, self.rules, collect=phase == "mixed")
+            d = decide_group(rewards, self.rules, collect=collect)
             qid = int(g["question_id"])
             prev = finals.get(qid)
             if d.action == GroupAction.RETIRE:
@@ -510,47 +553,47 @@ class Floor:
                 )
             )
         correct = sum(1 for r in rewards_all if r > 0.5)
-        solved = correct / len(rewards_all) if rewards_all else 0.0
-        await self.db.execute(
-            "UPDATE run SET step = ?, policy_version = ?, updated_at = ? WHERE id = ?",
-            step, max(rversion, version), now, run_id,
-        )  # fmt: skip
-        metrics = {**body.get("metrics", {}), "batch/solved": solved}
-        result = {
-            "batch_id": batch_id,
-            "run": self.runs[run_id],
-            "step": step,
-            "phase": rphase,
-            "switched": False,
-            "solved_fraction": solved,
+        return {
             "retired": retired,
-            "collected_groups": collected,
-            "ignored_groups": ignored,
-            "stored_trajectories": stored,
-            "duplicate_trajectories": len(traj_rows) - stored,
-            "bucket_moves": len(moves),
-            "removed_trajectories": removed,
+            "collected": collected,
+            "ignored": ignored,
+            "stored": stored,
+            "duplicates": len(traj_rows) - stored,
+            "moves": moves,
+            "removed": removed,
+            "solved": correct / len(rewards_all) if rewards_all else 0.0,
         }
-        await self.db.execute(
-            "UPDATE batch SET status = ?, metrics = ?, result = ?, committed_at = ? WHERE id = ?",
-            "committed", self._json(metrics), self._json({**result, "digest": digest.hexdigest()}), now,
-            batch_id,
-        )  # fmt: skip
-        all_metrics = {
-            **metrics,
-            "batch/replayed_questions": float(len(plan["replay"])),
-            "pool/stored_trajectories": float(stored),
-            "pool/retired": float(retired),
-        }
-        await self.db.execute(
-            "INSERT INTO run_metric (run_id, step, metrics, updated_at) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT (run_id, step) DO UPDATE SET metrics = excluded.metrics, "
-            "updated_at = excluded.updated_at",
-            run_id, step, self._json(all_metrics), now,
-        )  # fmt: skip
-        await self._record(orjson.dumps(result).decode())
-        self._pending_moves = (run_id, moves)
-        return result
+
+    async def ingest(self, run_name: str, body: dict[str, Any], payloads: Any) -> dict[str, Any]:
+        """Graded groups from a producer: the run's lock, the questions checked, then the commit's
+        rules (collection in the mixed phase)."""
+        run_id = self.run_ids.get(run_name)
+        groups = body.get("groups")
+        if run_id is None or not isinstance(groups, list):
+            raise Refused(404 if run_id is None else 422, "no such run, or no groups")
+        if any(len(g["rollouts"]) != self.rules.k for g in groups):
+            raise Refused(422, "K rollouts per group")
+        pay = _payloads([r for g in groups for r in g["rollouts"]], payloads)
+        lock = " FOR UPDATE" if self.db.pg else ""
+        rstep, phase = (await self.db.fetch(f"SELECT step, phase FROM run WHERE id = ?{lock}", run_id))[0]
+        qids = sorted({int(g["question_id"]) for g in groups})
+        found = await self.db.fetch(
+            f"SELECT id FROM question WHERE pool_id = ? AND id IN ({_in(len(qids))})", self.pool_id, *qids
+        )
+        if len(found) != len(qids):
+            raise Refused(422, "questions not in the pool")
+        step = rstep if body.get("step") is None else int(body["step"])
+        version = int(body.get("policy_version") or 0)
+        a = await self._apply(
+            run_id,
+            groups,
+            pay,
+            collect=phase == "mixed" or bool(body.get("prefill")),
+            step=step,
+            version=version,
+        )
+        self._pending_moves = (run_id, a["moves"])
+        return _result(None, run_name, rstep, phase, a)
 
     def apply_moves(self) -> None:
         """After the commit: the in-process index follows the state rows."""
@@ -595,6 +638,24 @@ class Floor:
             rows,
         )
         return int(conn.total_changes - before)
+
+
+def _result(batch_id: str | None, run: str, step: int, phase: str, a: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "batch_id": batch_id,
+        "run": run,
+        "step": step,
+        "phase": phase,
+        "switched": False,
+        "solved_fraction": a["solved"],
+        "retired": a["retired"],
+        "collected_groups": a["collected"],
+        "ignored_groups": a["ignored"],
+        "stored_trajectories": a["stored"],
+        "duplicate_trajectories": a["duplicates"],
+        "bucket_moves": len(a["moves"]),
+        "removed_trajectories": a["removed"],
+    }
 
 
 def _payloads(slots: list[dict[str, Any]], payloads: Any) -> list[tuple[bytes, bytes] | None]:
@@ -715,6 +776,20 @@ async def _route(floor: Floor, path: str, raw: bytes, headers: dict[str, str]) -
             await floor.db.end(ok)
         out, media = _answer(body, payloads, frame_out)
         return 200, out, media
+    if len(parts) == 6 and parts[3] == "runs" and parts[5] == "ingest":
+        if frames.wants_frame(headers.get("content-type")):
+            body, payloads = frames.decode(raw)
+        else:
+            body, payloads = orjson.loads(raw), None
+        ok = False
+        await floor.db.begin()
+        try:
+            result = await floor.ingest(parts[4], body, payloads)
+            ok = True
+        finally:
+            await floor.db.end(ok)
+        floor.apply_moves()
+        return 200, orjson.dumps(result), b"application/json"
     if len(parts) == 6 and parts[3] == "batches" and parts[5] == "commit":
         if frames.wants_frame(headers.get("content-type")):
             body, payloads = frames.decode(raw)

@@ -497,7 +497,8 @@ async def against_floor(server: Server, floor: Server, opts: Options, combo: Com
     encs = opts.encodings
     sides = ("service", "floor")
     samples: dict[str, dict[str, dict[str, list[Sample]]]] = {
-        side: {e: {w: [] for w in ("plan", "commit", "select", "select_ids")} for e in encs} for side in sides
+        side: {e: {w: [] for w in ("plan", "commit", "select", "select_ids", "ingest")} for e in encs}
+        for side in sides
     }
     async with (
         httpx.AsyncClient(base_url=server.url, timeout=300, trust_env=False) as c1,
@@ -537,9 +538,22 @@ async def against_floor(server: Server, floor: Server, opts: Options, combo: Com
                 same_plans += picked[0] == picked[1]
             if (i + 1) % 10 == 0:
                 log(f"    {combo.backend} {combo.size}: {i + 1}/{opts.warmup + opts.iterations} rounds")
+        # ingest: the very same body to both, one request at a time (latency, not throughput)
+        rng = np.random.default_rng([combo.size, 9])
+        for i in range(opts.warmup + opts.ingest_requests):
+            qids = [int(q) + 1 for q in rng.choice(combo.size, size=opts.ingest_groups, replace=False)]
+            for enc in encs:
+                body = trainers["service"].ingest_body(qids, enc)
+                for side in sides:
+                    path = f"{prefix}/runs/{_seed.RUN_NAME}/ingest"
+                    r, smp = await timed_post(apis[side], path, body, wire_headers(enc, frame_body=True))
+                    w = work[side]
+                    w.setdefault("ingest_stored", []).append(r.json()["stored_trajectories"])
+                    if i >= opts.warmup:
+                        samples[side][enc]["ingest"].append(smp)
     out: dict[str, Any] = {}
     for enc in encs:
-        for what in ("plan", "commit", "select", "select_ids"):
+        for what in ("plan", "commit", "select", "select_ids", "ingest"):
             a, b = summarize(samples["service"][enc][what]), summarize(samples["floor"][enc][what])
             out.setdefault(enc, {})[what] = {
                 "service": a,
@@ -1196,7 +1210,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--floor",
         action="store_true",
-        help="only select, plan and commit, interleaved with the floor (bench/_floor.py) on a copy",
+        help="only select, plan, commit and ingest, interleaved with the floor (bench/_floor.py) on a copy",
     )
     ap.add_argument(
         "--unrelated-keys",
