@@ -776,7 +776,8 @@ async def _route(floor: Floor, path: str, raw: bytes, headers: dict[str, str]) -
             await floor.db.end(ok)
         out, media = _answer(body, payloads, frame_out)
         return 200, out, media
-    if len(parts) == 6 and parts[3] == "runs" and parts[5] == "ingest":
+    ingest = len(parts) == 6 and parts[3] == "runs" and parts[5] == "ingest"
+    if ingest or (len(parts) == 6 and parts[3] == "batches" and parts[5] == "commit"):
         if frames.wants_frame(headers.get("content-type")):
             body, payloads = frames.decode(raw)
         else:
@@ -784,21 +785,10 @@ async def _route(floor: Floor, path: str, raw: bytes, headers: dict[str, str]) -
         ok = False
         await floor.db.begin()
         try:
-            result = await floor.ingest(parts[4], body, payloads)
-            ok = True
-        finally:
-            await floor.db.end(ok)
-        floor.apply_moves()
-        return 200, orjson.dumps(result), b"application/json"
-    if len(parts) == 6 and parts[3] == "batches" and parts[5] == "commit":
-        if frames.wants_frame(headers.get("content-type")):
-            body, payloads = frames.decode(raw)
-        else:
-            body, payloads = orjson.loads(raw), None
-        ok = False
-        await floor.db.begin()
-        try:
-            result = await floor.commit(parts[4], body, payloads, key, route, raw)
+            if ingest:
+                result = await floor.ingest(parts[4], body, payloads)
+            else:
+                result = await floor.commit(parts[4], body, payloads, key, route, raw)
             ok = True
         finally:
             await floor.db.end(ok)
