@@ -156,6 +156,9 @@ class Floor:
         self.db = db
         self.index: dict[int, dict[int, list[int]]] = {}
         self.epochs: dict[int, np.ndarray] = {}
+        # the request's idempotency record to write, and the index moves to make after its commit
+        self._idem: tuple[str, str, str] | None = None
+        self._pending_moves: tuple[int, list[tuple[int, int | None]]] | None = None
 
     async def load(self) -> None:
         pool = (await self.db.fetch("SELECT id, name, config FROM pool"))[0]
@@ -188,7 +191,7 @@ class Floor:
         self._idem = (hkey, route, digest)
 
     async def _record(self, response: str) -> None:
-        if getattr(self, "_idem", None) is None:
+        if self._idem is None:
             return
         hkey, route, digest = self._idem
         self._idem = None
@@ -597,8 +600,7 @@ class Floor:
 
     def apply_moves(self) -> None:
         """After the commit: the in-process index follows the state rows."""
-        pending = getattr(self, "_pending_moves", None)
-        self._pending_moves = None
+        pending, self._pending_moves = self._pending_moves, None
         if pending is None:
             return
         run_id, moves = pending
@@ -679,7 +681,7 @@ def _payloads(slots: list[dict[str, Any]], payloads: Any) -> list[tuple[bytes, b
         return out
     for r in slots:
         a, b = r.get("token_ids_b64"), r.get("logprobs_b64")
-        if a is None:
+        if a is None or b is None:
             out.append(None)
             continue
         try:
