@@ -77,8 +77,9 @@ def test_mixed_step_generates_k_minus_one_and_k_samples_in_one_call(tiny_model: 
         batch = StepBatch(plan=plan, questions=questions, ground_truths=[""] * 4)  # type: ignore[arg-type]
         out = trainer.rollouts.generate(batch)
         assert calls == [4 + 3 + 4 + 3], "one call, one row per sample"
-        assert [len(cs) for cs in out] == [4, 3, 4, 3]
-        for cs in out:
+        assert [len(cs) for cs in out.samples] == [4, 3, 4, 3]
+        assert out.versions is None and out.entropies is None  # the trainer's own weights
+        for cs in out.samples:
             assert all(len(c.token_ids) >= 2 and c.logprobs == [] for c in cs)
     finally:
         trainer.close()

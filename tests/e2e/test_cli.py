@@ -4,6 +4,7 @@ and `exgrpo serve --demo` as a real process."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -461,7 +462,7 @@ async def test_demo_pool_from_the_shipped_examples(tmp_path: Path, monkeypatch: 
 
 
 async def test_demo_pool_from_a_file_in_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from exgrpo_pool.config import Settings
 
@@ -480,9 +481,10 @@ async def test_demo_pool_from_a_file_in_the_environment(
     other = Settings(
         allow_anonymous=True, database_url=f"sqlite+aiosqlite:///{tmp_path}/o.db", log_level="WARNING"
     )
-    capfd.readouterr()
-    assert await _pools_after_seeding(other, missing) == []
-    assert f"demo pool not created: {missing}: no such file" in capfd.readouterr().err
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="exgrpo.cli"):
+        assert await _pools_after_seeding(other, missing) == []
+    assert f"demo pool not created: {missing}: no such file" in caplog.messages
 
 
 @needs_valid
