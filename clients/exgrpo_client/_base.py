@@ -648,8 +648,9 @@ class BaseClient:
             return None
         delay = self.retry_policy.next_delay(attempt, time.monotonic() - started, response)
         if delay is not None:  # one line per retry: an outage rode through is visible in the log
+            # (INFO: a long-running trainer or worker logs it; a one-shot CLI command prints one error)
             why = type(exc).__name__ if exc is not None else f"HTTP {response.status_code if response else 0}"
-            log.warning(
+            log.info(
                 "retrying %s %s in %.1f s (attempt %d: %s)", call.method, call.path, delay, attempt + 1, why
             )
         return delay

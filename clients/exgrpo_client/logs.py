@@ -172,8 +172,11 @@ def configure_logging(
         own = logging.getLogger(name)
         own.handlers.clear()
         own.propagate = True
+        own.disabled = False  # a dictConfig run earlier in the process may have disabled it
     for name in QUIET_LIBRARIES:
         logging.getLogger(name).setLevel(logging.WARNING)
+    # off, then on: warnings go to the log even if something replaced showwarning since a first call
+    logging.captureWarnings(False)
     logging.captureWarnings(True)
     _configured = fmt
     if not progress_allowed():

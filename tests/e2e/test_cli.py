@@ -33,7 +33,18 @@ EXGRPO = Path(sys.executable).with_name("exgrpo")
 
 
 @pytest.fixture
-def cli(live_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+def quiet_root() -> Iterator[None]:
+    """A one-shot command runs in a fresh process whose log shows warnings and errors only; in this
+    test process an earlier test may have configured the root logger at INFO (the SDK's retry lines)."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.WARNING)
+    yield
+    root.setLevel(level)
+
+
+@pytest.fixture
+def cli(live_server: Any, monkeypatch: pytest.MonkeyPatch, quiet_root: None) -> Any:
     monkeypatch.delenv("EXGRPO_TOKEN", raising=False)
     runner = CliRunner()
 

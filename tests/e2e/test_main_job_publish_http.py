@@ -14,9 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 STEPS = 2
 
 
+@pytest.mark.slow  # a second run of the remote main job (about 2 minutes): `bash scripts/test.sh -m slow`
 def test_quick_main_job_publishes_over_http(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"

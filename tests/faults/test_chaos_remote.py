@@ -42,7 +42,7 @@ from exgrpo_trainer.config import load_config
 from .conftest import OwnRedis
 from .procs import ServiceProcess, service_env
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.slow]  # about 5 minutes: `bash scripts/test.sh -m slow`
 
 SEED = 13
 STEPS = 6
