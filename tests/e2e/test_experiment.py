@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BUDGET = 300  # quick main job: K = 8, B = 16 -> 3 steps
 
 
@@ -24,6 +26,7 @@ def _experiment(tmp_path: Path, out: Path, *extra: str) -> subprocess.CompletedP
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow  # four quick main jobs (about 1.5 minutes): scripts/test.sh -m slow
 def test_quick_experiment_runs_arms_and_seeds_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "exp"
     proc = _experiment(tmp_path, out)

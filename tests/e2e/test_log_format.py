@@ -190,6 +190,7 @@ def test_main_job_off_a_terminal_draws_no_progress_and_wraps_no_line(
     assert any(str(out / "metrics.jsonl") in line for line in lines)
 
 
+@pytest.mark.slow  # a second main job (the plain one above runs by default): scripts/test.sh -m slow
 @pytest.mark.timeout(900)
 def test_main_job_json_log_lines(tmp_path: Path, tiny_model: Path) -> None:
     out = tmp_path / "run"
