@@ -87,6 +87,12 @@ def test_every_logger_of_the_process_goes_through_the_format(monkeypatch: pytest
     uvicorn = logging.getLogger("uvicorn.error")
     monkeypatch.setattr(uvicorn, "handlers", [logging.StreamHandler(io.StringIO())])
     monkeypatch.setattr(uvicorn, "propagate", False)  # as uvicorn's own configuration leaves it
+    # servers started earlier in this test process set uvicorn's levels (log_level="warning")
+    for name in ("uvicorn.error", "py.warnings"):
+        other = logging.getLogger(name)
+        monkeypatch.setattr(other, "disabled", False)
+        monkeypatch.setattr(other, "level", logging.NOTSET)
+    logging.getLogger().manager._clear_cache()  # levels were set behind the loggers' caches
     stream = io.StringIO()
     logs.configure_logging("json", "INFO", stream=stream)
     assert logs.configured_format() == "json"
