@@ -2,7 +2,8 @@
 
 Built-in names: ``math_think`` (training reward, spec section 7), ``math_think_strip_eos`` (same,
 trailing EOS string removed first), ``boxed`` (evaluation grader, spec section 9.1), ``choice``
-(letter answers) and ``arithmetic`` (synthetic integer tasks).
+(boxed letter answers), ``choice_letter`` (the final option letter, boxed or not) and ``arithmetic``
+(synthetic integer tasks).
 
 Any other name is read as a dotted path to a user function with the grader signature
 ``(response: str, ground_truth: str) -> Grade``: ``"package.module:function"`` or
@@ -27,6 +28,7 @@ BUILTIN_GRADERS: dict[str, str] = {
     "math_think_strip_eos": "exgrpo_rollout.graders.math_think:math_think_strip_eos",
     "boxed": "exgrpo_rollout.graders.boxed:boxed",
     "choice": "exgrpo_rollout.graders.boxed:choice",
+    "choice_letter": "exgrpo_rollout.graders.choice_letter:choice_letter",
     "arithmetic": "exgrpo_rollout.graders.arithmetic:arithmetic",
 }
 
