@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from exgrpo_client import PoolConfig
 from exgrpo_onebox.synthetic import get_family
 from exgrpo_rollout.engines.base import SamplingConfig
+from exgrpo_rollout.graders.registry import get_grader
 from exgrpo_trainer import TrainConfig, apply_overrides
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -66,6 +67,9 @@ class JobSection(BaseModel):
     """Sampling temperature of the held-out evaluation (training samples at rollout.temperature)."""
     eval_max_new_tokens: int | None = Field(None, ge=1)
     """Longest evaluated response; unset: rollout.max_new_tokens."""
+    eval_grader: str = "auto"
+    """Grader of the held-out evaluation: `auto` (`choice` for multiple-choice sources, `boxed`
+    otherwise: `exgrpo_rollout.evaluate.grader_for`) or a grader name for every row."""
     rollouts: int | None = Field(None, ge=1)
     """Rollout budget (`--rollouts`): the run ends on the step that reaches it, and run.steps defaults
     to just past it."""
@@ -73,9 +77,22 @@ class JobSection(BaseModel):
     """Rollout worker processes (`--workers`): 0, the trainer generates (rollout.engine=colocated);
     N >= 1, N `exgrpo rollout` processes against the embedded service generate every batch
     (rollout.engine=remote, synchronous unless rollout.max_policy_lag says otherwise)."""
+    worker_engine: Literal["transformers", "vllm"] = "transformers"
+    """Generation engine of the rollout workers (`--workers`): transformers, or vllm (vLLM installed,
+    a GPU; the workers share it with the trainer, so give job.worker_vllm.gpu_memory_utilization)."""
+    worker_vllm: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    """With worker_engine=vllm: keyword settings of `vllm.LLM` in each worker, e.g.
+    job.worker_vllm.gpu_memory_utilization=0.3 job.worker_vllm.max_model_len=2048."""
     family: str = "arithmetic"
     """Synthetic task family of the training and held-out questions (`exgrpo_onebox.synthetic.FAMILIES`):
     `arithmetic` or `calibrated`; not used with --data."""
+
+    @field_validator("eval_grader")
+    @classmethod
+    def _known_grader(cls, value: str) -> str:
+        if value != "auto":
+            get_grader(value)  # ValueError naming the built-in graders
+        return value
 
     @field_validator("family")
     @classmethod
@@ -122,6 +139,10 @@ class OneBoxConfig(TrainConfig):
             raise ValueError(
                 "rollout.max_policy_lag (asynchronous generation) needs rollout workers: --workers N"
             )
+        if not workers and job.get("worker_engine", "transformers") != "transformers":
+            raise ValueError(f"job.worker_engine={job['worker_engine']} is the workers' engine: --workers N")
+        if job.get("worker_vllm") and job.get("worker_engine", "transformers") != "vllm":
+            raise ValueError("job.worker_vllm are vLLM settings: set job.worker_engine=vllm")
         if not workers and rollout.get("engine") == "remote":
             raise ValueError("rollout.engine=remote in the one-box job needs its workers: --workers N")
         run.setdefault("pool", "main")

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from exgrpo_rollout.engines.factory import EngineName
     from exgrpo_rollout.worker import WorkerConfig
     from exgrpo_trainer import TrainConfig
 
@@ -75,6 +76,9 @@ class WorkerSpec:
     grading_workers: int = 0
     torch_threads: int | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    engine: EngineName = "transformers"
+    vllm_options: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword settings of `vllm.LLM` (engine vllm)."""
 
 
 def serve(spec: WorkerSpec) -> None:
@@ -98,6 +102,8 @@ def serve(spec: WorkerSpec) -> None:
         token=spec.token,
         grading_workers=spec.grading_workers,
         torch_threads=spec.torch_threads,
+        engine=spec.engine,
+        vllm_options=dict(spec.vllm_options) or None,
     )
     sys.stdout.flush()
     sys.stderr.flush()
@@ -126,6 +132,8 @@ class WorkerFleet:
         token: str | None = None,
         start_timeout_s: float = 300.0,
         stop_timeout_s: float = 30.0,
+        engine: EngineName = "transformers",
+        vllm_options: Mapping[str, Any] | None = None,
     ) -> None:
         if count < 1:
             raise ValueError(f"a fleet has at least one worker, got {count}")
@@ -137,6 +145,8 @@ class WorkerFleet:
         self.token = token
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
+        self.engine: EngineName = engine
+        self.vllm_options = dict(vllm_options or {})
         self.procs: dict[str, BaseProcess] = {}
         self.exit_codes: dict[str, int] = {}
         self._offsets: dict[str, int] = {}
@@ -153,8 +163,10 @@ class WorkerFleet:
             log_format=self.log_format,
             token=self.token,
             grading_workers=self.cfg.rollout.grading_workers,
-            torch_threads=1 if (os.cpu_count() or 1) <= 2 else None,
+            torch_threads=1 if self.engine == "transformers" and (os.cpu_count() or 1) <= 2 else None,
             env=self.env,
+            engine=self.engine,
+            vllm_options=self.vllm_options,
         )
 
     def launch(self, name: str) -> BaseProcess:

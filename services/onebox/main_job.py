@@ -206,7 +206,14 @@ def _workers(url: str, cfg: OneBoxConfig, model: Path, console: Console) -> Iter
         return
     folder = cfg.run.output_dir / "workers"
     fleet = WorkerFleet(
-        url, cfg, model, folder, count=cfg.job.workers, log_format=configured_format() or "plain"
+        url,
+        cfg,
+        model,
+        folder,
+        count=cfg.job.workers,
+        log_format=configured_format() or "plain",
+        engine=cfg.job.worker_engine,
+        vllm_options=cfg.job.worker_vllm,
     )
     mode = (
         "synchronous: every batch generated with the trainer's current weights"
@@ -214,7 +221,9 @@ def _workers(url: str, cfg: OneBoxConfig, model: Path, console: Console) -> Iter
         else f"asynchronous, at most {cfg.rollout.max_policy_lag} policy version(s) behind"
     )
     try:
-        with console.status(f"starting {cfg.job.workers} rollout workers (logs in {folder})"):
+        with console.status(
+            f"starting {cfg.job.workers} rollout workers ({cfg.job.worker_engine}, logs in {folder})"
+        ):
             fleet.start()
         console.print(f"rollout workers: {', '.join(fleet.names)} ({mode})")
         yield fleet
@@ -285,7 +294,9 @@ class _Evaluator:
     def _run(self, engine: Any, tokenizer: Any, step: int) -> None:
         t = time.perf_counter()
         sampling = self.cfg.eval_sampling(seed=1234 + step)
-        records = evaluate(engine, tokenizer, self.rows, sampling=sampling, drop_system=True)
+        records = evaluate(
+            engine, tokenizer, self.rows, sampling=sampling, grader=self.cfg.job.eval_grader, drop_system=True
+        )
         write_jsonl(records, self.out / "eval" / f"step-{step:06d}.jsonl")
         summary = aggregate(records)
         d = summary.to_dict()
@@ -316,6 +327,9 @@ class _Evaluator:
 
         tok = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        if torch.cuda.is_available():  # on the GPU, in the trainer's compute dtype, as its later evaluations
+            dtype = torch.float32 if self.cfg.model.dtype == "float32" else torch.bfloat16
+            model = model.to("cuda", dtype=dtype)
         self._run(TransformersEngine(model, tok), tok, 0)
         del model
 

@@ -34,12 +34,14 @@ def test_overrides_reach_their_sections() -> None:
                 "run.steps=7",
                 "job.eval_temperature=1",
                 "experience.metric=random",
+                "job.eval_grader=choice_letter",
             ],
         )
     ).config
     assert (cfg.pool.weighting, cfg.job.eval_every, cfg.run.steps) == ("uniform", 5, 7)
     assert cfg.job.eval_temperature == 1.0 and isinstance(cfg.job.eval_temperature, float)
     assert cfg.experience.metric == "random"
+    assert cfg.job.eval_grader == "choice_letter"
 
 
 @pytest.mark.parametrize(
@@ -61,6 +63,7 @@ def test_overrides_reach_their_sections() -> None:
         ("pool.start_threshold=0.1", "set experience.start_threshold"),
         ("run.pool_url=http://127.0.0.1:1", "run.pool_url: set by the one-box job"),
         ("job.rollouts=0", "job.rollouts: Input should be greater than or equal to 1"),
+        ("job.eval_grader=no_such_grader", "unknown grader 'no_such_grader'"),
     ],
 )
 def test_bad_or_misplaced_settings_are_named(item: str, message: str) -> None:

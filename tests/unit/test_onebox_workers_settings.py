@@ -33,6 +33,12 @@ def test_workers_make_the_job_remote_and_synchronous_by_default() -> None:
         ),
         (MainJobOptions(quick=True, overrides=["rollout.engine=remote"]), "--workers N"),
         (MainJobOptions(quick=True, max_policy_lag=1), "--workers N"),
+        (MainJobOptions(quick=True, overrides=["job.worker_engine=vllm"]), "--workers N"),
+        (
+            MainJobOptions(quick=True, workers=1, overrides=["job.worker_vllm.enforce_eager=true"]),
+            "job.worker_engine=vllm",
+        ),
+        (MainJobOptions(quick=True, workers=1, overrides=["job.worker_engine=sglang"]), "worker_engine"),
     ],
 )
 def test_settings_that_cannot_work_together_are_refused(opts: MainJobOptions, message: str) -> None:
@@ -55,3 +61,37 @@ def test_the_workers_follow_the_trainer_config(tmp_path: Path) -> None:
     assert w.retry_budget_s == 42
     with pytest.raises(ValueError, match="at least one worker"):
         WorkerFleet("http://127.0.0.1:1", cfg, tmp_path, tmp_path, count=0)
+
+
+def test_the_workers_generate_with_the_engine_of_the_job(tmp_path: Path) -> None:
+    cfg = resolve(MainJobOptions(quick=True, workers=1)).config
+    spec = WorkerFleet("http://127.0.0.1:1", cfg, tmp_path, tmp_path, count=1).spec("w1")
+    assert (spec.engine, dict(spec.vllm_options)) == ("transformers", {})
+    vllm = resolve(
+        MainJobOptions(
+            quick=True,
+            workers=1,
+            overrides=[
+                "job.worker_engine=vllm",
+                "job.worker_vllm.gpu_memory_utilization=0.3",
+                "job.worker_vllm.enforce_eager=true",
+            ],
+        )
+    ).config
+    assert (vllm.rollout.engine, vllm.job.worker_engine) == ("remote", "vllm")
+    job = vllm.job
+    fleet = WorkerFleet(
+        "http://127.0.0.1:1",
+        vllm,
+        tmp_path,
+        tmp_path,
+        count=1,
+        engine=job.worker_engine,
+        vllm_options=job.worker_vllm,
+    )
+    spec = fleet.spec("w1")
+    assert (spec.engine, dict(spec.vllm_options)) == (
+        "vllm",
+        {"gpu_memory_utilization": 0.3, "enforce_eager": True},
+    )
+    assert spec.torch_threads is None  # torch's CPU threads are the transformers engine's setting
