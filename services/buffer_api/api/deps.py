@@ -166,35 +166,39 @@ class Idempotency:
 
     async def run(
         self,
-        fn: Callable[[], Awaitable[BaseModel | dict[str, Any]]],
+        fn: Callable[[], Awaitable[object]],
         status_code: int = 200,
         *,
         reference: Callable[[Any], dict[str, Any]] | None = None,
-        resolve: Callable[[dict[str, Any]], Awaitable[BaseModel]] | None = None,
+        resolve: Callable[[dict[str, Any]], Awaitable[object]] | None = None,
         respond: Responder | None = None,
     ) -> Any:
         """`reference`/`resolve`: remember a small reference instead of a large response body (a
         batch plan), and rebuild the response from it on a replay. `respond`: how an answer is
         written (JSON by default; a binary frame where the client asked for one)."""
-        respond = respond or json_response
+        write: Responder = respond or json_response
         if self.key is None:
-            return respond(await fn(), status_code, None)
+            return write(await fn(), status_code, None)
         body = await self.request.body()
         route = f"{self.request.method} {self.request.url.path}"
         digest = hashlib.sha256(route.encode() + b"\n" + body).hexdigest()
-        for _ in range(self.ATTEMPTS):
-            cached = await self._lookup()
-            if cached is not None:
-                return await self._replay(cached, digest, resolve, respond)
+        for attempt in range(self.ATTEMPTS):
+            # a new key (the usual case) goes straight to the write, whose first statement records
+            # it (one transaction, one connection); a key already recorded fails there, and its
+            # record is then read and replayed
+            if attempt > 0:
+                cached = await self._lookup()
+                if cached is not None:
+                    return await self._replay(cached, digest, resolve, write)
             try:
-                return await self._first(fn, status_code, route, digest, reference, respond)
+                return await self._first(fn, status_code, route, digest, reference, write)
             except _KeyTaken:
                 continue
         raise Conflict("this Idempotency-Key is in use by another request; retry in a moment")
 
     async def _first(
         self,
-        fn: Callable[[], Awaitable[BaseModel | dict[str, Any]]],
+        fn: Callable[[], Awaitable[object]],
         status_code: int,
         route: str,
         digest: str,
@@ -228,7 +232,7 @@ class Idempotency:
         self,
         cached: IdempotencyKey,
         digest: str,
-        resolve: Callable[[dict[str, Any]], Awaitable[BaseModel]] | None,
+        resolve: Callable[[dict[str, Any]], Awaitable[object]] | None,
         respond: Responder,
     ) -> Any:
         if cached.request_hash != digest:

@@ -24,7 +24,7 @@ from exgrpo_client import frames
 from exgrpo_client import schemas as s
 from exgrpo_pool.api.deps import json_response
 from exgrpo_pool.errors import BadRequest
-from exgrpo_pool.service.convert import predecode, raw_payloads
+from exgrpo_pool.service.convert import Answer, predecode, raw_payloads
 
 MEDIA_TYPE = frames.MEDIA_TYPE
 
@@ -117,6 +117,10 @@ class Wire:
 
     def respond(self, obj: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Any:
         """A frame of a plan or a selection when the client accepts one; else JSON."""
+        if isinstance(obj, Answer):
+            if self.binary_answer:
+                return Response(obj.frame(), status_code, headers, media_type=MEDIA_TYPE)
+            return Response(obj.json(), status_code, headers, media_type="application/json")
         if self.binary_answer and isinstance(obj, s.BatchPlan | s.SelectResult):
             body = frames.encode_model(obj)
             return Response(body, status_code=status_code, media_type=MEDIA_TYPE, headers=headers)

@@ -7,8 +7,11 @@ import secrets
 import uuid
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
+from pydantic_core import to_jsonable_python
+from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from exgrpo_client import schemas as s
@@ -28,23 +31,23 @@ from exgrpo_pool.index.base import Move, RebuildLost
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
     COMMIT_DIGEST,
+    Answer,
     RunScopes,
     commit_digest,
     committed_result,
-    messages,
     rules_for,
     run_overrides,
     same_commit,
     scopes_of,
     stored_plan,
-    trajectory_public,
+    trajectory_body,
 )
 from exgrpo_pool.service.experience import Applied, apply_groups, capacity_of
 from exgrpo_pool.service.leases import LeaseClaim, check_fence, run_for_write
 from exgrpo_pool.service.leases import require_run as _get_run
 from exgrpo_pool.service.stats import collect_run_stats
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import Batch, Pool, Run, Trajectory, utcnow
+from exgrpo_pool.store.models import Batch, Pool, Run, utcnow
 
 log = logging.getLogger("exgrpo.pool")
 
@@ -168,7 +171,10 @@ async def _pick_replay(
     rules: ExperienceRules,
     rng: np.random.Generator,
     mode: s.CandidateMode,
-) -> list[s.StoredPick]:
+) -> tuple[list[s.StoredPick], dict[int, Row[Any]]]:
+    """The replayed questions, each with its candidates' ids, and the candidates' rows as read:
+    with their payloads when every candidate goes out (`all`), else without (`_replay_items` reads
+    the payloads of the chosen ones by id)."""
     scope = scopes.state
     draws = sample_replay(sizes, n, rules, rng)
     ranks: dict[int, list[int]] = {}
@@ -191,16 +197,15 @@ async def _pick_replay(
         cursor[d.bucket] += 1
     # the database is the source of truth: drop picks a concurrent writer retired meanwhile
     states = await repo.get_states(session, scope, [p.question_id for p in picks])
-    valid = [
-        p for p in picks if (st := states.get(p.question_id)) is not None and not st.retired and st.bucket
-    ]
+    valid = [p for p in picks if (st := states.get(p.question_id)) is not None and not st[1] and st[0]]
     if len(valid) != len(picks):
         log.warning("index out of date for scope %s: %d stale picks dropped", scope, len(picks) - len(valid))
         await ctx.index.drop(scope)
     trajs = await repo.trajectories_of(
-        session, [p.question_id for p in valid], scope=scopes.trajectories, payload=False
+        session, [p.question_id for p in valid], scope=scopes.trajectories, payload=mode == "all"
     )
     out = []
+    rows: dict[int, Row[Any]] = {}
     for p in valid:
         cands = trajs.get(p.question_id, [])
         if not cands:
@@ -210,73 +215,90 @@ async def _pick_replay(
             p.candidates = [best.id]
         elif mode == "all":
             p.candidates = [t.id for t in cands]
+            rows.update((t.id, t) for t in cands)  # type: ignore[misc]  # rows read like Trajectory
         out.append(p)
-    return out
+    return out, rows
 
 
 async def _replay_items(
-    session: AsyncSession, picks: list[s.StoredPick], k: int, *, with_payload: bool
-) -> list[s.ReplayItem]:
+    session: AsyncSession,
+    picks: list[s.StoredPick],
+    k: int,
+    *,
+    questions: dict[int, Row[Any]] | None = None,
+    rows: dict[int, Row[Any]] | None = None,
+) -> tuple[list[dict[str, Any]], list[tuple[bytes, bytes]]]:
+    """The answer's replayed questions with their candidates, and the candidates' payloads in
+    order. `questions` and `rows`: what the caller has read already (the rest is read here, by
+    id)."""
     qids = [p.question_id for p in picks]
-    questions = await repo.get_questions(session, qids)
-    tids = {t for p in picks for t in p.candidates}
-    # the candidates were chosen in the run's trajectory scope; read them by id
-    trajs = await repo.trajectories_of(session, qids, scope=None, payload=with_payload) if tids else {}
-    by_id: dict[int, Trajectory] = {t.id: t for ts in trajs.values() for t in ts}
-    names = await repo.run_names(session, [t.source_run_id for t in by_id.values() if t.source_run_id])
+    if questions is None or any(q not in questions for q in qids):
+        questions = {**(questions or {}), **await repo.question_prompts(session, qids)}
+    rows = dict(rows or {})
+    # a candidate no longer stored (retired or evicted since) is left out of the answer
+    missing = [t for p in picks for t in p.candidates if t not in rows]
+    if missing:
+        rows.update(await repo.trajectories_by_id(session, missing, payload=True))
+    names = await repo.run_names(session, {t.source_run_id for t in rows.values() if t.source_run_id})
     items = []
+    payloads: list[tuple[bytes, bytes]] = []
     for p in picks:
         q = questions[p.question_id]
+        cands = [rows[t] for t in p.candidates if t in rows]
+        payloads += [(t.token_ids, t.logprobs) for t in cands]
         items.append(
-            s.ReplayItem(
-                question_id=q.id,
-                prompt=messages(q.prompt),
-                ground_truth=q.ground_truth,
-                data_source=q.data_source,
-                num_samples=k - 1,
-                bucket=p.bucket,
-                probability=p.probability,
-                candidates=[
-                    trajectory_public(by_id[t], names, payload=with_payload)
-                    for t in p.candidates
-                    if t in by_id
-                ],
-            )
+            {
+                **_question_body(q, k - 1),
+                "bucket": p.bucket,
+                "probability": p.probability,
+                "candidates": [trajectory_body(t, names) for t in cands],
+            }
         )
-    return items
+    return items, payloads
 
 
-async def _plan_public(session: AsyncSession, pool: Pool, run: Run, batch: Batch) -> s.BatchPlan:
-    plan = stored_plan(batch)
+def _question_body(q: Row[Any], num_samples: int) -> dict[str, Any]:
+    """A planned question of an answer (`FreshItem`); its prompt as stored (validated on import)."""
+    return {
+        "question_id": q.id,
+        "prompt": q.prompt,
+        "ground_truth": q.ground_truth,
+        "data_source": q.data_source,
+        "num_samples": num_samples,
+    }
+
+
+async def _plan_public(
+    session: AsyncSession,
+    pool: Pool,
+    run: Run,
+    batch: Batch,
+    plan: s.StoredPlan | None = None,
+    rows: dict[int, Row[Any]] | None = None,
+) -> Answer:
+    """A batch's plan as answered (`BatchPlan`): one read of its questions, and of the candidates
+    that `rows` (read by the plan) does not hold."""
+    plan = stored_plan(batch) if plan is None else plan
     k = plan.k
-    questions = await repo.get_questions(session, plan.fresh)
-    fresh = [
-        s.FreshItem(
-            question_id=q.id,
-            prompt=messages(q.prompt),
-            ground_truth=q.ground_truth,
-            data_source=q.data_source,
-            num_samples=k,
-        )
-        for q in (questions[i] for i in plan.fresh)
-    ]
-    replay = await _replay_items(session, plan.replay, k, with_payload=True)
-    return s.BatchPlan(
-        id=batch.id,
-        run=run.name,
-        pool=pool.name,
-        step=batch.step,
-        phase=batch.phase,
-        status=batch.status,
-        policy_version=batch.policy_version,
-        k=k,
-        fresh=fresh,
-        replay=replay,
-        num_eligible=plan.num_eligible,
-        skipped_fresh=plan.skipped_fresh,
-        epoch=plan.epoch,
-        created_at=batch.created_at,
-    )
+    questions = await repo.question_prompts(session, [*plan.fresh, *(p.question_id for p in plan.replay)])
+    replay, payloads = await _replay_items(session, plan.replay, k, questions=questions, rows=rows)
+    body = {
+        "id": batch.id,
+        "run": run.name,
+        "pool": pool.name,
+        "step": batch.step,
+        "phase": batch.phase,
+        "status": batch.status,
+        "policy_version": batch.policy_version,
+        "k": k,
+        "fresh": [_question_body(questions[i], k) for i in plan.fresh],
+        "replay": replay,
+        "num_eligible": plan.num_eligible,
+        "skipped_fresh": plan.skipped_fresh,
+        "epoch": plan.epoch,
+        "created_at": to_jsonable_python(batch.created_at),
+    }
+    return Answer(s.BatchPlan, body, payloads)
 
 
 # ------------------------------------------------------------------------------------ plan
@@ -326,7 +348,7 @@ def _task_rows(
 
 async def plan_batch(
     ctx: Context, pool: Pool, run_name: str, req: s.BatchCreate, lease: LeaseClaim | None = None
-) -> s.BatchPlan:
+) -> Answer:
     async with ctx.db.write() as session:
         run = await run_for_write(session, pool, run_name, lease)
         version = await _plan_version(session, run, req)
@@ -353,11 +375,22 @@ async def plan_batch(
         drawn = await _draw_fresh(ctx, session, pool, run, rules, scope, experience=experience)
         fresh = [int(q) for q in drawn[: rules.batch_size - comp.num_replay]]
         rng = make_rng(run.seed, step, "replay")
-        picks = await _pick_replay(ctx, session, scopes, sizes, comp.num_replay, rules, rng, req.candidates)
+        picks, rows = await _pick_replay(
+            ctx, session, scopes, sizes, comp.num_replay, rules, rng, req.candidates
+        )
         # a pick can vanish (stale index); its slot goes to the next loader-drawn question
         fill = rules.batch_size - len(fresh) - len(picks)
         if fill > 0:
             fresh += [int(q) for q in drawn[len(fresh) : len(fresh) + fill]]
+        plan = s.StoredPlan(
+            k=rules.k,
+            fresh=fresh,
+            replay=picks,
+            num_eligible=sum(sizes.values()),
+            skipped_fresh=rules.batch_size - len(fresh),
+            epoch=run.epoch,
+            batch_size=rules.batch_size,
+        )
         batch = Batch(
             id=str(uuid.uuid4()),
             run_id=run.id,
@@ -365,15 +398,7 @@ async def plan_batch(
             status="planned",
             phase=phase,
             policy_version=version,
-            plan=s.StoredPlan(
-                k=rules.k,
-                fresh=fresh,
-                replay=picks,
-                num_eligible=sum(sizes.values()),
-                skipped_fresh=rules.batch_size - len(fresh),
-                epoch=run.epoch,
-                batch_size=rules.batch_size,
-            ).model_dump(),
+            plan=plan.model_dump(),
             created_at=utcnow(),
         )
         session.add(batch)
@@ -383,10 +408,10 @@ async def plan_batch(
         run.updated_at = utcnow()
         ctx.metrics.batches_planned.labels(pool.name).inc()
         ctx.metrics.replay_picks.labels(pool.name).inc(len(picks))
-        return await _plan_public(session, pool, run, batch)
+        return await _plan_public(session, pool, run, batch, plan, rows)
 
 
-async def get_batch_plan(ctx: Context, pool: Pool, batch_id: str) -> s.BatchPlan:
+async def get_batch_plan(ctx: Context, pool: Pool, batch_id: str) -> Answer:
     async with ctx.db.read() as session:
         batch, run = await _batch_and_run(session, pool, batch_id)
         return await _plan_public(session, pool, run, batch)
@@ -436,8 +461,7 @@ def _check_against_plan(batch: Batch, groups: list[s.GroupResult]) -> None:
     if unplanned:
         parts.append(f"question ids {[q for q, _ in unplanned][:20]} are not planned in it (or sent twice)")
     raise BadRequest(
-        f"groups do not match batch {batch.id}: {'; '.join(parts[:20])} (send one group per planned "
-        "question)"
+        f"groups do not match batch {batch.id}: {'; '.join(parts[:20])} (send one group per planned question)"
     )
 
 
@@ -547,8 +571,8 @@ async def ingest(
     qids = sorted({g.question_id for g in req.groups})
     async with ctx.db.write() as session:
         run = await run_for_write(session, pool, run_name, lease)
-        found = await repo.get_questions(session, qids)
-        missing = [q for q in qids if q not in found or found[q].pool_id != pool.id]
+        found = await repo.questions_in_pool(session, pool.id, qids)
+        missing = [q for q in qids if q not in found]
         if missing:
             raise BadRequest(f"question ids {missing[:20]} are not in pool {pool.name!r}")
         experience = run_overrides(run).experience
@@ -579,7 +603,7 @@ async def ingest(
 
 
 # ---------------------------------------------------------------------------------- select
-async def select_replay(ctx: Context, pool: Pool, run_name: str, req: s.SelectRequest) -> s.SelectResult:
+async def select_replay(ctx: Context, pool: Pool, run_name: str, req: s.SelectRequest) -> Answer:
     async with ctx.db.read() as session:
         run = await _get_run(session, pool, run_name)
         scopes = scopes_of(pool, run)
@@ -587,9 +611,10 @@ async def select_replay(ctx: Context, pool: Pool, run_name: str, req: s.SelectRe
         sizes = await ctx.index.sizes(scopes.state)
         seed = secrets.randbits(63) if req.seed is None else req.seed
         rules = rules_for(pool, run)
-        picks = await _pick_replay(
+        picks, rows = await _pick_replay(
             ctx, session, scopes, sizes, req.n, rules, make_rng(run.seed, seed, "select"), req.candidates
         )
-        items = await _replay_items(session, picks, rules.k, with_payload=True)
+        items, payloads = await _replay_items(session, picks, rules.k, rows=rows)
     ctx.metrics.replay_picks.labels(pool.name).inc(len(items))
-    return s.SelectResult(run=run.name, num_eligible=sum(sizes.values()), replay=items)
+    body = {"run": run.name, "num_eligible": sum(sizes.values()), "replay": items}
+    return Answer(s.SelectResult, body, payloads)

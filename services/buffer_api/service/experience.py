@@ -11,7 +11,7 @@ from exgrpo_client import schemas as s
 from exgrpo_pool.domain import ExperienceRules, GroupAction, GroupDecision, decide_group, trajectory_key
 from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.index.base import Move
-from exgrpo_pool.service.convert import RunScopes, decode_payload, pool_config
+from exgrpo_pool.service.convert import RunScopes, packed_of, pool_config, predecode
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import Pool, is_pool_scope, utcnow
 
@@ -92,6 +92,9 @@ async def apply_groups(
     left alone (the run's own scope still records each question's latest k)."""
     scope = scopes.state
     check_group_sizes(groups, rules)
+    # every payload decoded and checked once, also the ones not stored (bad data is refused
+    # consistently); a route has done it before any lock, and then this only finds them done
+    predecode(groups)
     out = Applied()
     finals: dict[int, _Final] = {}
     traj_rows: list[dict[str, Any]] = []
@@ -113,13 +116,13 @@ async def apply_groups(
                 r = g.rollouts[ri]
                 if r.replayed:
                     continue  # the stored trajectory itself: already in the pool
-                where = f"groups[{gi}].rollouts[{ri}] (question {g.question_id})"
-                payload = decode_payload(r, where)
-                if payload is None:
+                packed = packed_of(r)
+                if packed is None:
                     raise BadRequest(
-                        f"{where} is correct and its group is collected: send its token ids and log-probs"
+                        f"groups[{gi}].rollouts[{ri}] (question {g.question_id}) is correct and its "
+                        "group is collected: send its token ids and log-probs"
                     )
-                ids, lps = payload
+                ids, lps = packed
                 traj_rows.append(
                     {
                         "question_id": g.question_id,
@@ -128,22 +131,18 @@ async def apply_groups(
                         "source_run_id": run_id,
                         "policy_version": policy_version,
                         "step": step,
-                        "token_ids": ids.tobytes(),
-                        "logprobs": lps.tobytes(),
-                        "num_tokens": int(ids.size),
+                        "token_ids": ids,
+                        "logprobs": lps,
+                        "num_tokens": len(ids) // 4,
                         "reward": float(r.reward),
                         "entropy": r.entropy,
-                        "dedup_key": trajectory_key(ids),
+                        "dedup_key": trajectory_key(ids),  # of the little-endian int32 bytes
                         "text": r.text,
                         "created_at": now,
                     }
                 )
         else:
             out.ignored += 1
-        for ri, r in enumerate(g.rollouts):
-            if decision.action != GroupAction.COLLECT or ri not in decision.store:
-                # payloads we do not store are still checked, so bad data is refused consistently
-                decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
 
     if is_pool_scope(scope):
         # Every run of a pooled pool writes the same state rows (a per-run scope is already
@@ -160,12 +159,15 @@ async def apply_groups(
     if not experience and is_pool_scope(scope):
         finals.clear()
     old = await repo.get_states(session, scope, list(finals))
-    by_kind: dict[str, list[dict[str, Any]]] = {"collect": [], "retire": [], "ignore": []}
+    state_rows: list[dict[str, Any]] = []
+    retired_now: list[int] = []
     for qid, f in finals.items():
-        prev = old.get(qid)
-        was_retired = prev is not None and prev.retired
-        prev_bucket = None if prev is None or was_retired else prev.bucket
-        by_kind[f.kind].append(
+        prev_bucket, was_retired = old.get(qid, (None, False))
+        if was_retired:
+            prev_bucket = None
+        if f.kind == "retire":
+            retired_now.append(qid)
+        state_rows.append(
             {
                 "scope": scope,
                 "question_id": qid,
@@ -186,14 +188,12 @@ async def apply_groups(
         if new_bucket != prev_bucket or (f.kind == "retire" and not was_retired):
             out.moves.append((qid, new_bucket))
             out.bucket_moves += int(new_bucket != prev_bucket)
-    for kind, rows in by_kind.items():
-        await repo.upsert_states(session, kind, rows)
+    await repo.upsert_decided_states(session, state_rows)
     candidates = len(traj_rows)
     out.stored = await repo.insert_trajectories(session, traj_rows)
     out.duplicates = candidates - out.stored
-    if scopes.drops_retired and by_kind["retire"]:
-        retired = [r["question_id"] for r in by_kind["retire"]]
-        out.removed = await repo.delete_trajectories(session, scopes.trajectories, retired)
+    if scopes.drops_retired and retired_now:
+        out.removed = await repo.delete_trajectories(session, scopes.trajectories, retired_now)
     await _enforce_capacity(session, pool_id, scopes, capacity, [r["question_id"] for r in traj_rows], out)
     return out
 

@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
-from sqlalchemy import ColumnElement, Select, and_, case, delete, func, or_, select, update
+from sqlalchemy import ColumnElement, Row, Select, and_, case, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -106,6 +106,27 @@ async def list_questions(session: AsyncSession, pool_id: int, after: int, limit:
     return list((await session.execute(stmt)).scalars())
 
 
+async def question_prompts(session: AsyncSession, ids: Sequence[int]) -> dict[int, Row[Any]]:
+    """(id, prompt, ground_truth, data_source) of questions, as plain rows (a plan's or a
+    selection's questions: no mapped objects on the hot path)."""
+    c = Question.__table__.c
+    out: dict[int, Row[Any]] = {}
+    for chunk in _chunks(sorted(set(ids))):
+        stmt: Select[Any] = select(c.id, c.prompt, c.ground_truth, c.data_source).where(c.id.in_(chunk))
+        for row in await session.execute(stmt):
+            out[row.id] = row
+    return out
+
+
+async def questions_in_pool(session: AsyncSession, pool_id: int, ids: Sequence[int]) -> set[int]:
+    """Which of `ids` are questions of the pool."""
+    out: set[int] = set()
+    for chunk in _chunks(sorted(set(ids))):
+        stmt = select(Question.id).where(Question.pool_id == pool_id, Question.id.in_(chunk))
+        out.update(int(q) for (q,) in await session.execute(stmt))
+    return out
+
+
 async def get_questions(session: AsyncSession, ids: Sequence[int]) -> dict[int, Question]:
     out: dict[int, Question] = {}
     for chunk in _chunks(list(ids)):
@@ -181,12 +202,16 @@ async def put_epoch(session: AsyncSession, run_id: int, epoch: int, order: np.nd
 
 
 # ------------------------------------------------------------------------ run_question states
-async def get_states(session: AsyncSession, scope: int, qids: Sequence[int]) -> dict[int, RunQuestion]:
-    out: dict[int, RunQuestion] = {}
+async def get_states(
+    session: AsyncSession, scope: int, qids: Sequence[int]
+) -> dict[int, tuple[int | None, bool]]:
+    """(bucket, retired) of the questions of one scope that have a state row."""
+    c = RunQuestion.__table__.c
+    out: dict[int, tuple[int | None, bool]] = {}
     for chunk in _chunks(list(qids)):
-        stmt = select(RunQuestion).where(RunQuestion.scope == scope, RunQuestion.question_id.in_(chunk))
-        for rq in (await session.execute(stmt)).scalars():
-            out[rq.question_id] = rq
+        stmt = select(c.question_id, c.bucket, c.retired).where(c.scope == scope, c.question_id.in_(chunk))
+        for qid, bucket, retired in await session.execute(stmt):
+            out[int(qid)] = (bucket, bool(retired))
     return out
 
 
@@ -209,6 +234,35 @@ async def upsert_states(session: AsyncSession, kind: str, rows: list[dict[str, A
         common["bucket"] = None
         common["retired"] = True
     stmt = ins.on_conflict_do_update(index_elements=["scope", "question_id"], set_=common)
+    for chunk in _chunks(rows, 1000):
+        await session.execute(stmt, list(chunk))
+
+
+async def upsert_decided_states(session: AsyncSession, rows: list[dict[str, Any]]) -> None:
+    """The states a commit or an ingest decided, in one statement whatever their kinds: a row with
+    `retired` retires the question and clears its bucket; a row with a bucket collects it (unless it
+    is retired); any other row only records the latest k and step. A retired question never leaves
+    the retired set. (`upsert_states` with one kind per statement does the same.)"""
+    if not rows:
+        return
+    ins = _insert(session, RunQuestion.__table__)
+    ex, cur = ins.excluded, RunQuestion.__table__.c
+    stmt = ins.on_conflict_do_update(
+        index_elements=["scope", "question_id"],
+        set_={
+            "last_k": ex.last_k,
+            "last_step": ex.last_step,
+            "last_run_id": ex.last_run_id,
+            "updated_at": ex.updated_at,
+            "bucket": case(
+                (ex.retired, None),
+                (ex.bucket.is_(None), cur.bucket),
+                (cur.retired, None),
+                else_=ex.bucket,
+            ),
+            "retired": or_(cur.retired, ex.retired),
+        },
+    )
     for chunk in _chunks(rows, 1000):
         await session.execute(stmt, list(chunk))
 
@@ -272,20 +326,58 @@ async def pool_states(
 
 
 # ------------------------------------------------------------------------------ trajectories
+#: the trajectory columns an insert writes, in order (all but the id)
+_TRAJECTORY_COLUMNS = [c.name for c in Trajectory.__table__.c if c.name != "id"]
+#: their Postgres array types, for one INSERT ... SELECT FROM unnest(...) per request
+_PG_ARRAY_TYPES = {
+    "question_id": "bigint",
+    "pool_id": "bigint",
+    "scope": "bigint",
+    "source_run_id": "bigint",
+    "policy_version": "int",
+    "step": "int",
+    "token_ids": "bytea",
+    "logprobs": "bytea",
+    "num_tokens": "int",
+    "reward": "float8",
+    "entropy": "float8",
+    "dedup_key": "bytea",
+    "text": "text",
+    "created_at": "timestamptz",
+}
+
+
 async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]]) -> int:
+    """Insert trajectories, skipping those their scope already holds (same dedup key); returns
+    how many were new. One driver statement per request: on Postgres one INSERT over arrays
+    (`unnest`), on SQLite one prepared INSERT run for every row (the driver's executemany), so
+    no per-row statement building in SQLAlchemy."""
     # one order for every writer (stable: a question's rollouts keep theirs), so two transactions
     # inserting the same trajectories wait for each other instead of deadlocking
     rows = sorted(rows, key=lambda r: r["question_id"])
     if not rows:
         return 0
-    # one statement compiled once and cached, run for many parameter sets (SQLAlchemy batches it
-    # as "insertmanyvalues"); .values(list) rebuilt and recompiled thousands of bind parameters per call
-    stmt = (
-        _insert(session, Trajectory.__table__)
-        .on_conflict_do_nothing(index_elements=["question_id", "scope", "dedup_key"])
-        .returning(Trajectory.__table__.c.id)
-    )
-    return len((await session.execute(stmt, rows)).all())
+    conn = await session.connection()
+    names = ", ".join(_TRAJECTORY_COLUMNS)
+    conflict = "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING"
+    if conn.dialect.name == "postgresql":
+        arrays = ", ".join(f"${i + 1}::{_PG_ARRAY_TYPES[c]}[]" for i, c in enumerate(_TRAJECTORY_COLUMNS))
+        sql = f"INSERT INTO trajectory ({names}) SELECT * FROM unnest({arrays}) {conflict} RETURNING id"
+        columns = tuple([r[c] for r in rows] for c in _TRAJECTORY_COLUMNS)
+        return len((await conn.exec_driver_sql(sql, columns)).all())
+    marks = ", ".join("?" * len(_TRAJECTORY_COLUMNS))
+    sql = f"INSERT INTO trajectory ({names}) VALUES ({marks}) {conflict}"
+    # values as SQLAlchemy would bind them (a timestamp in the text form the columns hold)
+    dialect, table = conn.dialect, Trajectory.__table__
+    binds = [table.c[c].type.dialect_impl(dialect).bind_processor(dialect) for c in _TRAJECTORY_COLUMNS]
+    values = [
+        tuple(
+            r[c] if bind is None else bind(r[c]) for c, bind in zip(_TRAJECTORY_COLUMNS, binds, strict=True)
+        )
+        for r in rows
+    ]
+    # the driver sums the rows each parameter set inserted (a conflict inserts none)
+    return int((await conn.exec_driver_sql(sql, values)).rowcount)
 
 
 async def trajectories_of(
@@ -304,6 +396,20 @@ async def trajectories_of(
             stmt = stmt.where(Trajectory.scope == scope)
         for row in await session.execute(stmt):
             out[row.question_id].append(row)  # type: ignore[arg-type]  # a Row read like a Trajectory
+    return out
+
+
+async def trajectories_by_id(
+    session: AsyncSession, ids: Sequence[int], *, payload: bool = True
+) -> dict[int, Row[Any]]:
+    """Stored trajectories by id (those that still exist), as plain rows; token ids and
+    log-probs with `payload`."""
+    skip = ("dedup_key", "text") + (() if payload else ("token_ids", "logprobs"))
+    cols = [c for c in Trajectory.__table__.c if c.name not in skip]
+    out: dict[int, Row[Any]] = {}
+    for chunk in _chunks(sorted(set(ids))):
+        for row in await session.execute(select(*cols).where(Trajectory.id.in_(chunk))):
+            out[row.id] = row
     return out
 
 

@@ -144,7 +144,7 @@ async def plan_batch(
         return await idem.run(
             lambda: batches.plan_batch(ctx, pool, run, body, lease),
             status_code=201,
-            reference=lambda plan: {"batch_id": plan.id},
+            reference=lambda plan: {"batch_id": plan.body["id"]},
             resolve=lambda ref: batches.get_batch_plan(ctx, pool, ref["batch_id"]),
             respond=wire.respond,
         )
