@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -326,8 +327,10 @@ async def pool_states(
 
 
 # ------------------------------------------------------------------------------ trajectories
-#: the trajectory columns an insert writes, in order (all but the id)
-_TRAJECTORY_COLUMNS = [c.name for c in Trajectory.__table__.c if c.name != "id"]
+#: the trajectory columns an insert writes, in order (all but the id; the timestamp last)
+_TRAJECTORY_COLUMNS = [c.name for c in Trajectory.__table__.c if c.name not in ("id", "created_at")] + [
+    "created_at"
+]
 #: their Postgres array types, for one INSERT ... SELECT FROM unnest(...) per request
 _PG_ARRAY_TYPES = {
     "question_id": "bigint",
@@ -366,16 +369,13 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
         columns = tuple([r[c] for r in rows] for c in _TRAJECTORY_COLUMNS)
         return len((await conn.exec_driver_sql(sql, columns)).all())
     marks = ", ".join("?" * len(_TRAJECTORY_COLUMNS))
+    get = itemgetter(*_TRAJECTORY_COLUMNS[:-1])
     sql = f"INSERT INTO trajectory ({names}) VALUES ({marks}) {conflict}"
-    # values as SQLAlchemy would bind them (a timestamp in the text form the columns hold)
-    dialect, table = conn.dialect, Trajectory.__table__
-    binds = [table.c[c].type.dialect_impl(dialect).bind_processor(dialect) for c in _TRAJECTORY_COLUMNS]
-    values = [
-        tuple(
-            r[c] if bind is None else bind(r[c]) for c, bind in zip(_TRAJECTORY_COLUMNS, binds, strict=True)
-        )
-        for r in rows
-    ]
+    # the timestamps in the text form SQLAlchemy gives the column (every other value binds as is)
+    dialect = conn.dialect
+    stamp = Trajectory.__table__.c.created_at.type.dialect_impl(dialect).bind_processor(dialect)
+    text = {at: at if stamp is None else stamp(at) for at in {r["created_at"] for r in rows}}
+    values = [(*get(r), text[r["created_at"]]) for r in rows]
     # the driver sums the rows each parameter set inserted (a conflict inserts none)
     return int((await conn.exec_driver_sql(sql, values)).rowcount)
 
