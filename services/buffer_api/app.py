@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from sqlalchemy import text
+from starlette.datastructures import URL, Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -248,36 +249,58 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-def install_observability(app: FastAPI, metrics: Metrics) -> None:
-    access = logging.getLogger("exgrpo.access")
+class Observability:
+    """Request id, access log line and latency histogram of every HTTP request, and the answer to
+    an exception no handler knows (`unexpected_problem`), as a plain ASGI middleware: the request
+    runs in the server's task, not in a second one. The line is logged and the request counted when
+    the response starts (the time to the first byte of the answer), with the request id added to
+    its headers; an exception after the response started is left to the server, as before."""
 
-    @app.middleware("http")
-    async def _observe(request: Request, call_next: Any) -> Response:
-        request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+        self.access = logging.getLogger("exgrpo.access")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex[:16]
+        scope.setdefault("state", {})["request_id"] = request_id
         start = time.perf_counter()
-        response: Response
+        started = False
+
+        async def observed(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self._answered(scope, message, request_id, time.perf_counter() - start)
+            await send(message)
+
         try:
-            response = await call_next(request)
+            await self.app(scope, receive, observed)
         except Exception as exc:  # answered here, not by the server: see unexpected_problem
-            response = unexpected_problem(request, exc)
-        elapsed = time.perf_counter() - start
-        route = getattr(request.scope.get("route"), "path", "unmatched")
-        metrics.request_seconds.labels(request.method, route, str(response.status_code)).observe(elapsed)
-        response.headers["X-Request-ID"] = request.state.request_id
-        access.info(
+            if started:
+                raise
+            await unexpected_problem(Request(scope, receive), exc)(scope, receive, observed)
+
+    def _answered(self, scope: Scope, message: Message, request_id: str, elapsed: float) -> None:
+        route = getattr(scope.get("route"), "path", "unmatched")
+        status = message["status"]
+        self.metrics.request_seconds.labels(scope["method"], route, str(status)).observe(elapsed)
+        MutableHeaders(scope=message)["X-Request-ID"] = request_id
+        self.access.info(
             "request",
             extra={
                 "fields": {
-                    "method": request.method,
+                    "method": scope["method"],
                     "route": route,
-                    "path": request.url.path,
-                    "status": response.status_code,
+                    "path": URL(scope=scope).path,
+                    "status": status,
                     "ms": round(elapsed * 1000, 2),
-                    "request_id": request.state.request_id,
+                    "request_id": request_id,
                 }
             },
         )
-        return response
 
 
 # ------------------------------------------------------------------------------------- the app
@@ -356,7 +379,7 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
     )
     install_handlers(app)
-    install_observability(app, metrics)
+    app.add_middleware(Observability, metrics=metrics)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes, import_limit=settings.max_import_bytes)
     if faults.enabled():
         log.warning("fault hooks are on (%s=1): for fault tests only", faults.ENV)
