@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import httpx
 
 from .factories import (
@@ -236,3 +239,53 @@ async def test_run_metrics_merge_commit_and_posted_numbers(client: httpx.AsyncCl
     bad = await client.post("/v1/pools/p1/runs/r1/metrics", json={"step": 2, "metrics": {"x": "NaN"}})
     assert bad.status_code == 422
     assert [d["step"] for d in ok(await client.get("/v1/pools/p1/runs/r1/metrics"))["data"]] == [1, 3]
+
+
+class _AccessLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.fields: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.fields.append(dict(getattr(record, "fields", {})))
+
+
+async def test_access_line_and_histogram_of_every_answer(client: httpx.AsyncClient) -> None:
+    """One access line per request with its route template ("unmatched" when no route matched),
+    its status and the request id it was answered with, and one histogram sample per request."""
+    await create_pool(client, "p1")
+    lines = _AccessLines()
+    access = logging.getLogger("exgrpo.access")
+    level = access.level  # the test service logs at WARNING
+    access.addHandler(lines)
+    access.setLevel(logging.INFO)
+    try:
+        found = await client.get("/v1/pools/p1", headers={"X-Request-ID": "given-1"})
+        missing = await client.get("/v1/pools/p1/no/such/thing")
+    finally:
+        access.setLevel(level)
+        access.removeHandler(lines)
+    assert found.status_code == 200 and found.headers["X-Request-ID"] == "given-1"
+    assert missing.status_code == 404
+    generated = missing.headers["X-Request-ID"]
+    assert len(generated) == 16 and int(generated, 16) >= 0 and missing.json()["request_id"] == generated
+    assert [{k: v for k, v in f.items() if k != "ms"} for f in lines.fields] == [
+        {
+            "method": "GET",
+            "route": "/v1/pools/{pool}",
+            "path": "/v1/pools/p1",
+            "status": 200,
+            "request_id": "given-1",
+        },
+        {
+            "method": "GET",
+            "route": "unmatched",
+            "path": "/v1/pools/p1/no/such/thing",
+            "status": 404,
+            "request_id": generated,
+        },
+    ]
+    assert all(isinstance(f["ms"], float) and f["ms"] >= 0 for f in lines.fields)
+    text = (await client.get("/metrics")).text
+    assert 'exgrpo_http_request_seconds_count{method="GET",route="unmatched",status="404"} 1.0' in text
+    assert 'exgrpo_http_request_seconds_count{method="GET",route="/v1/pools/{pool}",status="200"} 1.0' in text
