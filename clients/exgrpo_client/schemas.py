@@ -253,6 +253,13 @@ class PoolConfig(Incoming):
         "in the pool; a write beyond it evicts the pool's oldest trajectories, and a write that "
         "alone sends more is refused. None: no limit.",
     )
+    max_replay_age: int | None = Field(
+        None,
+        ge=1,
+        le=2**31 - 1,
+        description="Replay only stored trajectories collected at most this many steps before the "
+        "run's current step (older ones stay stored, not replayed). None: no limit (the spec's).",
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> PoolConfig:
@@ -288,6 +295,7 @@ class PoolConfigPatch(Incoming):
     active_refresh_margin: int | None = Field(None, ge=0, le=2**31 - 1)
     max_trajectories_per_question: int | None = Field(None, ge=1, le=1_000_000)
     max_payload_bytes: int | None = Field(None, ge=1024, le=2**62)
+    max_replay_age: int | None = Field(None, ge=1, le=2**31 - 1)
 
     def merged(self, current: PoolConfig) -> PoolConfig:
         """`current` with the keys this patch gives (`ValidationError` if the result breaks a rule)."""
@@ -450,6 +458,9 @@ class RunOverrides(Incoming):
     experience_ratio: FiniteFloat | None = Field(None, ge=0, le=1)
     batch_size: int | None = Field(None, ge=1, le=65_536)
     start_threshold: FiniteFloat | None = Field(None, ge=0, le=1)
+    max_replay_age: int | None = Field(
+        None, ge=1, le=2**31 - 1, description="The pool's max_replay_age for this run; None: the pool's."
+    )
     experience: bool = Field(True, description="False runs plain on-policy GRPO (never replays).")
 
 

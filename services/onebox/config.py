@@ -9,7 +9,8 @@ A one-box recipe (`recipes/cpu_demo.yaml`) is a trainer config (the sections of
 Each setting has one owner; what other components need is derived from it here, once:
 
     experience.ratio / start_threshold / batch_size   the run's rules: the run on the service gets
-        them (`TrainConfig.run_overrides`), and the pool is created with the same values
+    / max_replay_age                                  them (`TrainConfig.run_overrides`), and the
+                                                      pool is created with the same values
     pool.k                                            K: the trainer reads it from the pool
     rollout.max_new_tokens                            also loss.max_response_len (trainer config) and
                                                       job.eval_max_new_tokens, unless set
@@ -42,7 +43,12 @@ from exgrpo_trainer import TrainConfig, apply_overrides
 RECIPES = Path(__file__).resolve().parent / "recipes"
 """The one-box job's recipes: `cpu_demo` (default) and `cpu_demo_quick` (`--quick`)."""
 
-RUN_RULES = {"ratio": "experience_ratio", "start_threshold": "start_threshold", "batch_size": "batch_size"}
+RUN_RULES = {
+    "ratio": "experience_ratio",
+    "start_threshold": "start_threshold",
+    "batch_size": "batch_size",
+    "max_replay_age": "max_replay_age",
+}
 """Batch-level rules of the run (`experience.<key>`) and the pool fields that mirror them."""
 
 MOVED = {"job.pool_k": "pool.k", "job.pool_batch_size": "experience.batch_size"}

@@ -111,6 +111,9 @@ class ExperienceSection(_Section):
     """Experience ratio rho; None uses the pool's."""
     start_threshold: float | None = Field(None, ge=0, le=1)
     """Delayed-start threshold; None uses the pool's."""
+    max_replay_age: int | None = Field(None, ge=1)
+    """Replay only stored trajectories collected at most this many steps before the run's current
+    step; None uses the pool's (no limit by default)."""
     metric: Literal["ent", "ppl", "random"] = "ent"
     """Trajectory choice for replayed questions: lowest mean token entropy under the current policy."""
     select_mode: Literal["argmin", "argmax"] = "argmin"
@@ -213,6 +216,7 @@ class TrainConfig(_Section):
             "experience": exp.enabled,
             "experience_ratio": exp.ratio,
             "start_threshold": exp.start_threshold,
+            "max_replay_age": exp.max_replay_age,
             "batch_size": exp.batch_size,
         }
 

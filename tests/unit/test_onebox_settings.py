@@ -1,12 +1,12 @@
 """Each setting of the one-box job has one owner, and every component reads the owner's value.
 
 For every shared setting (experience ratio, start threshold, batch size B, group size K, sampling
-temperature and max_new_tokens, loss beta) and every way of setting it (a recipe file given with
-`exgrpo run --recipe`, a `key=value` override of `exgrpo run`, an experiment arm's settings), the
-change is seen by every component that uses it: the trainer config, the run's rules as the service
-stores them, the pool config, the pool service's effective rules for the run (computed by the
-service's own code from what the job created over HTTP), and the job's sizes. Every other setting
-keeps its value, so a component that read a setting from a copy would fail here.
+temperature and max_new_tokens, loss beta, the replay age limit) and every way of setting it (a
+recipe file given with `exgrpo run --recipe`, a `key=value` override of `exgrpo run`, an experiment
+arm's settings), the change is seen by every component that uses it: the trainer config, the run's
+rules as the service stores them, the pool config, the pool service's effective rules for the run
+(computed by the service's own code from what the job created over HTTP), and the job's sizes.
+Every other setting keeps its value, so a component that read a setting from a copy would fail here.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ CHANGES: dict[str, tuple[str, Any]] = {
     "temperature": ("rollout.temperature", 0.7),
     "max_new_tokens": ("rollout.max_new_tokens", 48),
     "loss beta": ("loss.beta", 0.2),
+    "max replay age": ("experience.max_replay_age", 8),
 }
 BASE = {
     "experience ratio": 0.5,
@@ -49,6 +50,7 @@ BASE = {
     "temperature": 1.0,
     "max_new_tokens": 96,
     "loss beta": 0.1,
+    "max replay age": None,
 }
 WAYS = ("recipe file", "key=value override", "experiment arm")
 QUESTION = QuestionCreate(prompt=[ChatMessage(role="user", content="1+1")], ground_truth="2")
@@ -134,6 +136,12 @@ def seen_by_components(cfg: OneBoxConfig, client: Client) -> dict[str, dict[str,
             "evaluation": cfg.eval_sampling(seed=0).max_new_tokens,
         },
         "loss beta": {"trainer": cfg.loss.beta},
+        "max replay age": {
+            "trainer": cfg.experience.max_replay_age,
+            "run": run_rules.max_replay_age,
+            "pool": cfg.pool.max_replay_age,
+            "service": service.max_replay_age,
+        },
     }
 
 

@@ -52,6 +52,8 @@ class ExperienceRules:
         start_threshold: batch accuracy that must be strictly exceeded to enter the mixed phase.
         active_refresh_margin: the active fresh-question set is rebuilt at an epoch start only when it
             would keep more than ``batch_size + active_refresh_margin`` questions.
+        max_replay_age: a stored trajectory collected more than this many steps before the run's
+            current step is not replayed (it stays stored); ``None``: no limit (the spec's).
     """
 
     k: int = 8
@@ -65,6 +67,7 @@ class ExperienceRules:
     batch_size: int = 128
     start_threshold: float = 0.35
     active_refresh_margin: int = 20
+    max_replay_age: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.k) or self.k < 2:
@@ -97,6 +100,10 @@ class ExperienceRules:
             raise ValueError(
                 f"active_refresh_margin must be an integer >= 0, got {self.active_refresh_margin!r}"
             )
+        if self.max_replay_age is not None and not (
+            _is_int(self.max_replay_age) and self.max_replay_age >= 1
+        ):
+            raise ValueError(f"max_replay_age must be an integer >= 1 or None, got {self.max_replay_age!r}")
 
     @property
     def rbound_eff(self) -> int:

@@ -171,10 +171,13 @@ async def _pick_replay(
     rules: ExperienceRules,
     rng: np.random.Generator,
     mode: s.CandidateMode,
+    step: int,
 ) -> tuple[list[s.StoredPick], dict[int, Row[Any]]]:
     """The replayed questions, each with its candidates' ids, and the candidates' rows as read:
     with their payloads when every candidate goes out (`all`), else without (`_replay_items` reads
-    the payloads of the chosen ones by id)."""
+    the payloads of the chosen ones by id). `step`: the run's current step; with
+    `rules.max_replay_age` a trajectory collected more than that many steps before it is no
+    candidate, and a question left without one is dropped like a vanished pick."""
     scope = scopes.state
     draws = sample_replay(sizes, n, rules, rng)
     ranks: dict[int, list[int]] = {}
@@ -206,8 +209,11 @@ async def _pick_replay(
     )
     out = []
     rows: dict[int, Row[Any]] = {}
+    oldest = None if rules.max_replay_age is None else step - rules.max_replay_age
     for p in valid:
         cands = trajs.get(p.question_id, [])
+        if oldest is not None:
+            cands = [t for t in cands if t.step >= oldest]
         if not cands:
             continue
         if mode == "lowest_stored_entropy":
@@ -376,7 +382,7 @@ async def plan_batch(
         fresh = [int(q) for q in drawn[: rules.batch_size - comp.num_replay]]
         rng = make_rng(run.seed, step, "replay")
         picks, rows = await _pick_replay(
-            ctx, session, scopes, sizes, comp.num_replay, rules, rng, req.candidates
+            ctx, session, scopes, sizes, comp.num_replay, rules, rng, req.candidates, run.step
         )
         # a pick can vanish (stale index); its slot goes to the next loader-drawn question
         fill = rules.batch_size - len(fresh) - len(picks)
@@ -612,7 +618,15 @@ async def select_replay(ctx: Context, pool: Pool, run_name: str, req: s.SelectRe
         seed = secrets.randbits(63) if req.seed is None else req.seed
         rules = rules_for(pool, run)
         picks, rows = await _pick_replay(
-            ctx, session, scopes, sizes, req.n, rules, make_rng(run.seed, seed, "select"), req.candidates
+            ctx,
+            session,
+            scopes,
+            sizes,
+            req.n,
+            rules,
+            make_rng(run.seed, seed, "select"),
+            req.candidates,
+            run.step,
         )
         items, payloads = await _replay_items(session, picks, rules.k, rows=rows)
     ctx.metrics.replay_picks.labels(pool.name).inc(len(items))

@@ -58,6 +58,7 @@ def rules_of(c: s.PoolConfig, o: s.RunOverrides | None = None) -> ExperienceRule
         batch_size=c.batch_size if o.batch_size is None else o.batch_size,
         start_threshold=c.start_threshold if o.start_threshold is None else o.start_threshold,
         active_refresh_margin=c.active_refresh_margin,
+        max_replay_age=c.max_replay_age if o.max_replay_age is None else o.max_replay_age,
     )
 
 
