@@ -4,6 +4,9 @@ of the JSON lines our processes log.
 `live_server` runs uvicorn with the real app (SQLite in a temporary folder, anonymous access,
 which the service grants every scope on a loopback bind) in a background thread, once per
 session. Tests that use it create pools under unique names, so they do not see each other.
+
+Property tests run without hypothesis's per-example deadline: the suite runs in several processes on
+shared machines, and speed is measured in bench/, never asserted in a test.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 
 @dataclass(frozen=True)
