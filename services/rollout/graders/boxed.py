@@ -37,6 +37,7 @@ __all__ = [
     "answers_equivalent",
     "boxed",
     "choice",
+    "label_grade",
     "normalize_answer",
     "normalize_choice",
 ]
@@ -491,13 +492,18 @@ def choice(response: str, ground_truth: str) -> Grade:
     """Multiple-choice grader: boxed option label vs gold label."""
     if not response.strip():
         return Grade(0.0, "empty", None)
-    gold = normalize_choice(ground_truth)
     answer = extract_last_boxed(after_first_think_close(response))
     if answer is None or not answer.strip():
         return Grade(0.0, "no_answer", None)
     label = normalize_choice(answer) if len(answer) <= _MAX_ANSWER_CHARS else None
     if label is None:
         return Grade(0.0, "no_answer", clip_extracted(answer.strip()))
+    return label_grade(label, ground_truth)
+
+
+def label_grade(label: str, ground_truth: str) -> Grade:
+    """An extracted option label against the gold one (normalised the same way)."""
+    gold = normalize_choice(ground_truth)
     if gold is None:
         return Grade(0.0, "bad_gold", label)
     if label == gold:

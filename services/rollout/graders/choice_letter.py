@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 
 from exgrpo_rollout.graders.base import Grade, clip_extracted, safe_grader
-from exgrpo_rollout.graders.boxed import normalize_choice
+from exgrpo_rollout.graders.boxed import label_grade, normalize_choice
 from exgrpo_rollout.graders.extract import after_first_think_close, extract_last_boxed
 
 __all__ = ["choice_letter", "final_choice_label"]
@@ -77,9 +77,4 @@ def choice_letter(response: str, ground_truth: str) -> Grade:
     label, source = final_choice_label(after_first_think_close(response))
     if label is None:
         return Grade(0.0, "no_answer", None if source is None else clip_extracted(source))
-    gold = normalize_choice(ground_truth)
-    if gold is None:
-        return Grade(0.0, "bad_gold", label)
-    if label == gold:
-        return Grade(1.0, "correct", label)
-    return Grade(0.0, "wrong_answer", label)
+    return label_grade(label, ground_truth)
