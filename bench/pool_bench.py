@@ -343,6 +343,9 @@ class Options:
     redis_url: str
     encodings: list[str] = field(default_factory=lambda: ["json", "binary"])
     unrelated_keys: int = 100_000
+    #: floor mode: ingest throughput rounds (requests per side and encoding; 0 skips them)
+    throughput_requests: int = 0
+    throughput_groups: int = 256
     mix_s: float = 0.0
     mix_only: bool = False
     floor: bool = False
@@ -551,6 +554,9 @@ async def against_floor(server: Server, floor: Server, opts: Options, combo: Com
                     w.setdefault("ingest_stored", []).append(r.json()["stored_trajectories"])
                     if i >= opts.warmup:
                         samples[side][enc]["ingest"].append(smp)
+        if opts.throughput_requests:
+            tp = await _floor_throughput(apis, trainers["service"], prefix, opts, combo.size, encs)
+            res["floor_ingest"] = tp
     out: dict[str, Any] = {}
     for enc in encs:
         for what in ("plan", "commit", "select", "select_ids", "ingest"):
@@ -569,6 +575,51 @@ async def against_floor(server: Server, floor: Server, opts: Options, combo: Com
         **{f"{side}_{k}_mean": round(float(np.mean(v)), 1) for side in sides for k, v in work[side].items()},
     }
     log(f"    work: {res['floor_work']}")
+
+
+async def _floor_throughput(
+    apis: dict[str, Api], trainer: Trainer, prefix: str, opts: Options, size: int, encs: list[str]
+) -> dict[str, Any]:
+    """Ingest throughput of the service and of the floor: the very same bodies (built before the
+    clock starts) from `ingest_concurrency` producers, one side at a time, the side that goes first
+    alternating per encoding and round (two rounds each)."""
+    out: dict[str, Any] = {}
+    for n, enc in enumerate(encs):
+        headers = wire_headers(enc, frame_body=True)
+        for rnd in range(2):
+            rng = np.random.default_rng([size, 11, n, rnd])
+            picks = [
+                [int(q) + 1 for q in rng.choice(size, size=opts.throughput_groups, replace=False)]
+                for _ in range(opts.throughput_requests)
+            ]
+            bodies = [trainer.ingest_body(q, enc) for q in picks]
+            order = ["service", "floor"] if (n + rnd) % 2 == 0 else ["floor", "service"]
+            for side in order:
+                r = await _ingest(apis[side], prefix, opts, bodies, headers, opts.throughput_groups)
+                out.setdefault(enc, {}).setdefault(side, []).append(r)
+                log(f"    ingest throughput {enc} {side}: {r['trajectories_per_s']:.0f} traj/s")
+    return out
+
+
+def floor_throughput_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: ingest throughput of the service and the floor (best of the rounds)."""
+    out = [
+        "| backend | questions | encoding | groups per request | producers | service traj/s | floor traj/s "
+        "| service/floor | service p50 ms | floor p50 ms | service CPU ms | floor CPU ms |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        for enc, sides in r.get("floor_ingest", {}).items():
+            a = max(sides["service"], key=lambda x: x["trajectories_per_s"])
+            b = max(sides["floor"], key=lambda x: x["trajectories_per_s"])
+            out.append(
+                f"| {r['backend']} | {r['questions']:,} | {enc} | {a['groups_per_request']} "
+                f"| {a['concurrency']} "
+                f"| {a['trajectories_per_s']:,.0f} | {b['trajectories_per_s']:,.0f} "
+                f"| {a['trajectories_per_s'] / b['trajectories_per_s']:.2f} | {_f(a['p50_ms'])} "
+                f"| {_f(b['p50_ms'])} | {_f(a['server_cpu_mean_ms'])} | {_f(b['server_cpu_mean_ms'])} |"
+            )
+    return out
 
 
 def floor_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -717,7 +768,12 @@ def mix_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 async def _ingest(
-    api: Api, prefix: str, opts: Options, bodies: list[bytes], headers: dict[str, str]
+    api: Api,
+    prefix: str,
+    opts: Options,
+    bodies: list[bytes],
+    headers: dict[str, str],
+    groups: int | None = None,
 ) -> dict[str, Any]:
     sem = asyncio.Semaphore(opts.ingest_concurrency)
     ing: list[Sample] = []
@@ -735,8 +791,8 @@ async def _ingest(
     wall = time.perf_counter() - t0
     return {
         **summarize(ing),
-        "requests": opts.ingest_requests,
-        "groups_per_request": opts.ingest_groups,
+        "requests": len(bodies),
+        "groups_per_request": opts.ingest_groups if groups is None else groups,
         "concurrency": opts.ingest_concurrency,
         "stored_trajectories": stored_total,
         "seconds": round(wall, 2),
@@ -1201,6 +1257,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ingest-requests", type=int, default=None, help="ingest requests per size (40)")
     ap.add_argument("--ingest-concurrency", type=int, default=4)
     ap.add_argument(
+        "--ingest-throughput",
+        type=int,
+        default=0,
+        metavar="REQUESTS",
+        help="with --floor: ingest throughput rounds of this many requests per side (0: skip)",
+    )
+    ap.add_argument(
+        "--throughput-groups", type=int, default=256, help="groups per request of the throughput rounds"
+    )
+    ap.add_argument(
         "--encodings",
         default="json,binary",
         help="comma list of json (base64 payloads) and binary (frames), measured interleaved",
@@ -1253,6 +1319,8 @@ def main(argv: list[str] | None = None) -> int:
         mix_s=args.mix or (60.0 if args.mix_only else 0.0),
         mix_only=args.mix_only,
         floor=args.floor,
+        throughput_requests=args.ingest_throughput,
+        throughput_groups=args.throughput_groups,
     )
     if not opts.encodings or set(opts.encodings) - {"json", "binary"}:
         raise SystemExit(f"--encodings takes json and/or binary, got {args.encodings!r}")
@@ -1295,7 +1363,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=2))
-        print("\n".join(floor_table(doc["results"]) if opts.floor else mix_table(doc["results"])))
+        if opts.floor:
+            print("\n".join(floor_table(doc["results"])))
+            if opts.throughput_requests:
+                print("\n" + "\n".join(floor_throughput_table(doc["results"])))
+        else:
+            print("\n".join(mix_table(doc["results"])))
         return 0
     goal_rows = goals(combos)
     doc = {

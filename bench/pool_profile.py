@@ -40,7 +40,7 @@ import _seed
 import pool_bench as pb
 
 OUT = pb.OUT / "profile"
-KINDS = ("plan", "commit", "select", "ingest")
+KINDS = ("plan", "commit", "select", "select_ids", "ingest")
 
 
 def serve() -> None:
@@ -163,6 +163,12 @@ async def profile(backend: str, size: int, requests: int, opts: argparse.Namespa
                         f"select_{enc}",
                         f"{prefix}/runs/{_seed.RUN_NAME}/select",
                         json.dumps({"n": 64, "seed": i, "candidates": "all"}).encode(),
+                        pb.wire_headers(enc),
+                    )
+                    await post(
+                        f"select_ids_{enc}",
+                        f"{prefix}/runs/{_seed.RUN_NAME}/select",
+                        json.dumps({"n": 64, "seed": i, "candidates": "none"}).encode(),
                         pb.wire_headers(enc),
                     )
                     rng = np.random.default_rng([size, i, 9])
