@@ -5,6 +5,9 @@ Besides the plain service it can, for the benchmark only:
 * ``EXGRPO_BENCH_TIMING=1``: add a ``Server-Timing`` header to every response with the time the
   request spent in the application (from its first byte to the response start), in SQL statements
   (SQLAlchemy cursor events) and in Redis round trips, so the benchmark can tell where time goes.
+  It also carries the request's garbage-collection pauses (``gc``: their time and number).
+* ``EXGRPO_BENCH_FREEZE_HEAP=0``: serve without freezing the start-up heap (``create_app(...,
+  freeze_heap=False)``), to measure what the freeze changes.
 * ``EXGRPO_BENCH_PROFILE=<file>``: SIGUSR1 starts cProfile on the event-loop thread, SIGUSR2
   stops it and writes the stats to ``<file>``.
 
@@ -26,7 +29,8 @@ import uvicorn
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import Settings
 
-# [sql seconds, sql statements, redis seconds, redis round trips] of the current request
+# [sql seconds, sql statements, redis seconds, redis round trips, gc seconds, gc passes] of the
+# current request
 _ACC: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("bench_acc", default=None)
 
 
@@ -59,6 +63,21 @@ def _install_sql_timer() -> None:
     event.listen(Engine, "handle_error", failed)
 
 
+def _install_gc_timer() -> None:
+    """Garbage-collection pauses, counted to the request whose allocation set them off."""
+    import gc
+
+    started: list[float] = [0.0]
+
+    def callback(phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            _add(4, time.perf_counter() - started[0])
+
+    gc.callbacks.append(callback)
+
+
 def _install_redis_timer() -> None:
     from redis.asyncio import client
 
@@ -87,7 +106,7 @@ class ServerTiming:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        acc = [0.0, 0.0, 0.0, 0.0]
+        acc = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
         token = _ACC.set(acc)
         t0 = time.perf_counter()
 
@@ -96,7 +115,8 @@ class ServerTiming:
                 app_ms = (time.perf_counter() - t0) * 1000
                 value = (
                     f'app;dur={app_ms:.3f}, sql;dur={acc[0] * 1000:.3f};desc="{int(acc[1])}", '
-                    f'redis;dur={acc[2] * 1000:.3f};desc="{int(acc[3])}"'
+                    f'redis;dur={acc[2] * 1000:.3f};desc="{int(acc[3])}", '
+                    f'gc;dur={acc[4] * 1000:.3f};desc="{int(acc[5])}"'
                 )
                 message = {
                     **message,
@@ -126,9 +146,10 @@ def _install_profiler(path: str) -> None:
 
 def main() -> None:
     settings = Settings()
-    app: Any = create_app(settings)
+    app: Any = create_app(settings, freeze_heap=os.environ.get("EXGRPO_BENCH_FREEZE_HEAP", "1") == "1")
     if os.environ.get("EXGRPO_BENCH_TIMING") == "1":
         _install_sql_timer()
+        _install_gc_timer()
         if settings.redis_url:
             _install_redis_timer()
         app = ServerTiming(app)

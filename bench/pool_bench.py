@@ -155,6 +155,7 @@ class Sample:
     sql_n: int | None = None
     redis_ms: float | None = None
     redis_n: int | None = None
+    gc_ms: float | None = None
     bytes_out: int = 0
     bytes_in: int = 0
 
@@ -222,10 +223,21 @@ async def timed_post(
         sql_n=int(st["sql_n"]) if "sql_n" in st else None,
         redis_ms=st.get("redis_ms"),
         redis_n=int(st["redis_n"]) if "redis_n" in st else None,
+        gc_ms=st.get("gc_ms"),
         bytes_out=len(body),
         bytes_in=len(r.content),
     )
     return r, sample
+
+
+def _mean(vals: list[float | None]) -> float | None:
+    got = [v for v in vals if v is not None]
+    return round(float(np.mean(got)), 2) if got else None
+
+
+def _max(vals: list[float | None]) -> float | None:
+    got = [v for v in vals if v is not None]
+    return round(float(np.max(got)), 2) if got else None
 
 
 def summarize(samples: list[Sample]) -> dict[str, Any]:
@@ -249,6 +261,8 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
         "server_sql_statements_p50": med("sql_n"),
         "server_redis_p50_ms": med("redis_ms"),
         "server_redis_calls_p50": med("redis_n"),
+        "server_gc_mean_ms": _mean([x.gc_ms for x in samples]),
+        "server_gc_max_ms": _max([x.gc_ms for x in samples]),
         "request_bytes_p50": med("bytes_out"),
         "response_bytes_p50": med("bytes_in"),
         "samples_ms": [round(float(x), 1) for x in ms],

@@ -73,7 +73,7 @@ def serve() -> None:
     signal.signal(signal.SIGUSR2, stop)
     signal.signal(signal.SIGHUP, dump)
     settings = Settings()
-    app: Any = create_app(settings)
+    app: Any = create_app(settings, freeze_heap=True)
     _serve._install_sql_timer()
     if settings.redis_url:
         _serve._install_redis_timer()

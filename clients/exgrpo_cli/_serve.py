@@ -65,7 +65,7 @@ def serve(settings: Settings, *, demo: bool, demo_data: Path | None, log_setting
 
 
 async def _serve(settings: Settings, *, demo: bool, demo_data: Path | None) -> None:
-    app = create_app(settings)
+    app = create_app(settings, freeze_heap=True)
     config = uvicorn.Config(
         app,
         host=settings.host,
