@@ -205,27 +205,30 @@ class Idempotency:
         reference: Callable[[Any], dict[str, Any]] | None,
         respond: Responder,
     ) -> Any:
+        key = self.key or ""
         async with self.ctx.db.transaction() as session:
-            record = IdempotencyKey(
-                key=self.key,
-                principal=self.principal.name,
-                route=route,
-                request_hash=digest,
-                status_code=status_code,
-                response={},
-                created_at=utcnow(),
-            )
-            session.add(record)
             try:
-                await session.flush()
+                await repo.record_idempotent(
+                    session,
+                    {
+                        "key": key,
+                        "principal": self.principal.name,
+                        "route": route,
+                        "request_hash": digest,
+                        "status_code": status_code,
+                        "response": {},
+                        "created_at": utcnow(),
+                    },
+                )
             except IntegrityError as e:
                 raise _KeyTaken() from e
             result = await fn()
             response = respond(result, status_code, None)
             # the body as text: a JSONB column would reorder its keys, and a replay is byte-identical
-            record.response = (
+            stored = (
                 {"ref": reference(result)} if reference is not None else {RAW: bytes(response.body).decode()}
             )
+            await repo.complete_idempotent(session, key, self.principal.name, stored)
         return response
 
     async def _replay(

@@ -47,6 +47,12 @@ class UTCDateTime(TypeDecorator[datetime]):
             return value.replace(tzinfo=UTC)
         return value
 
+    def result_processor(self, dialect: Any, coltype: Any) -> Any:
+        if dialect.name == "postgresql":
+            # a timestamptz comes back aware: no Python call per value (the driver's processor, if any)
+            return self.impl_instance.result_processor(dialect, coltype)
+        return super().result_processor(dialect, coltype)
+
 
 def pool_scope(pool_id: int) -> int:
     """The scope shared by the runs of one pool (run scopes are run ids, > 0)."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-from sqlalchemy import ColumnElement, Row, Select, and_, case, delete, func, or_, select, update
+from sqlalchemy import ColumnElement, Row, Select, Table, and_, case, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -764,3 +764,19 @@ async def run_ids_by_name(session: AsyncSession, pool_id: int, names: Sequence[s
 # ------------------------------------------------------------------------------- idempotency
 async def get_idempotent(session: AsyncSession, key: str, principal: str) -> IdempotencyKey | None:
     return await session.get(IdempotencyKey, (key, principal))
+
+
+async def record_idempotent(session: AsyncSession, values: dict[str, Any]) -> None:
+    """Record a new key (an IntegrityError if it is recorded already)."""
+    await session.execute(_idem_t.insert().values(values))
+
+
+async def complete_idempotent(session: AsyncSession, key: str, principal: str, response: Any) -> None:
+    """Store the answer of a key recorded in this transaction."""
+    c = _idem_t.c
+    await session.execute(
+        update(_idem_t).where(c.key == key, c.principal == principal).values(response=response)
+    )
+
+
+_idem_t = cast(Table, IdempotencyKey.__table__)
