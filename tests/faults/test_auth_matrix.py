@@ -28,7 +28,7 @@ from service.harness import (
 )
 
 from exgrpo_pool.api.contract import dependency_calls, operations
-from exgrpo_pool.api.deps import require_admin, writable_pool
+from exgrpo_pool.api.deps import require_admin, writable_pool_name
 from exgrpo_pool.app import create_app
 
 pytestmark = pytest.mark.faults
@@ -133,7 +133,7 @@ def _write_routes() -> dict[tuple[str, str], str]:
             # (/v1/admin/ routes check the admin scope in their body)
             if require_admin in calls or op.path in ("/v1/pools",) or op.path.startswith("/v1/admin/"):
                 out[(method, op.path)] = "admin"
-            elif writable_pool in calls:
+            elif writable_pool_name in calls:  # the check of every route that writes to a pool
                 out[(method, op.path)] = "writer"
             else:
                 out[(method, op.path)] = "reader"

@@ -93,20 +93,36 @@ Reader = Annotated[Principal, Depends(require_read)]
 Admin = Annotated[Principal, Depends(require_admin)]
 
 
-async def readable_pool(pool: PoolName, ctx: ContextDep, principal: Reader) -> Pool:
+def readable_pool_name(pool: PoolName, principal: Reader) -> str:
+    """A pool the caller may read, by name: the request loads it in its own transaction."""
     if not principal.can_read(pool):
         raise Forbidden(
             f"{principal.name} may not read pool {pool!r} (needs scope read:{pool}, write:{pool}, "
             "read, read:*, write:* or admin)"
         )
-    return await load_pool(ctx, pool)
+    return pool
 
 
-async def writable_pool(pool: PoolName, ctx: ContextDep, principal: PrincipalDep) -> Pool:
+def writable_pool_name(pool: PoolName, principal: PrincipalDep) -> str:
+    """A pool the caller may write to, by name: the request loads it in its own transaction."""
     if not principal.can_write(pool):
         raise Forbidden(
             f"{principal.name} may not write to pool {pool!r} (needs scope write:{pool}, write:* or admin)"
         )
+    return pool
+
+
+#: The name of a pool the caller may read or write. The hot paths (plan, commit, ingest, select,
+#: a batch's plan) take these and read the pool with their run in their one transaction.
+ReadPoolName = Annotated[str, Depends(readable_pool_name)]
+WritePoolName = Annotated[str, Depends(writable_pool_name)]
+
+
+async def readable_pool(pool: ReadPoolName, ctx: ContextDep) -> Pool:
+    return await load_pool(ctx, pool)
+
+
+async def writable_pool(pool: WritePoolName, ctx: ContextDep) -> Pool:
     return await load_pool(ctx, pool)
 
 

@@ -43,11 +43,27 @@ from exgrpo_pool.service.convert import (
     trajectory_body,
 )
 from exgrpo_pool.service.experience import Applied, apply_groups, capacity_of
-from exgrpo_pool.service.leases import LeaseClaim, check_fence, run_for_write
-from exgrpo_pool.service.leases import require_run as _get_run
+from exgrpo_pool.service.leases import (
+    LeaseClaim,
+    check_fence,
+    lock_run,
+    missing_pool,
+    read_run,
+)
 from exgrpo_pool.service.stats import collect_run_stats
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import Batch, Pool, Run, utcnow
+from exgrpo_pool.store.models import (
+    AnyBatch,
+    AnyPool,
+    AnyRun,
+    Batch,
+    BatchRow,
+    Pool,
+    PoolRow,
+    Run,
+    RunRow,
+    utcnow,
+)
 
 log = logging.getLogger("exgrpo.pool")
 
@@ -109,7 +125,7 @@ async def _apply_all_moves(ctx: Context, scope: int, applied: Applied) -> None:
 
 
 # ----------------------------------------------------------------------------- fresh questions
-async def _epoch(ctx: Context, session: AsyncSession, run: Run) -> np.ndarray | None:
+async def _epoch(ctx: Context, session: AsyncSession, run: RunRow) -> np.ndarray | None:
     if run.epoch < 0:
         return None
     key = (run.id, run.epoch)
@@ -125,8 +141,8 @@ async def _epoch(ctx: Context, session: AsyncSession, run: Run) -> np.ndarray | 
 async def _draw_fresh(
     ctx: Context,
     session: AsyncSession,
-    pool: Pool,
-    run: Run,
+    pool: PoolRow,
+    run: RunRow,
     rules: ExperienceRules,
     scope: int,
     *,
@@ -162,6 +178,13 @@ async def _draw_fresh(
 
 
 # ----------------------------------------------------------------------------- replay choice
+#: what `_pick_replay` reads of the candidates when they do not go out whole (`all` reads all)
+_CANDIDATE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "none": ("id", "question_id", "step"),
+    "lowest_stored_entropy": ("id", "question_id", "step", "entropy"),
+}
+
+
 async def _pick_replay(
     ctx: Context,
     session: AsyncSession,
@@ -205,7 +228,11 @@ async def _pick_replay(
         log.warning("index out of date for scope %s: %d stale picks dropped", scope, len(picks) - len(valid))
         await ctx.index.drop(scope)
     trajs = await repo.trajectories_of(
-        session, [p.question_id for p in valid], scope=scopes.trajectories, payload=mode == "all"
+        session,
+        [p.question_id for p in valid],
+        scope=scopes.trajectories,
+        payload=mode == "all",
+        only=_CANDIDATE_COLUMNS.get(mode),
     )
     out = []
     rows: dict[int, Row[Any]] = {}
@@ -233,10 +260,11 @@ async def _replay_items(
     *,
     questions: dict[int, Row[Any]] | None = None,
     rows: dict[int, Row[Any]] | None = None,
+    run: AnyRun | None = None,
 ) -> tuple[list[dict[str, Any]], list[tuple[bytes, bytes]]]:
     """The answer's replayed questions with their candidates, and the candidates' payloads in
     order. `questions` and `rows`: what the caller has read already (the rest is read here, by
-    id)."""
+    id); `run`: a run whose name the caller knows (the other source runs' names are read)."""
     qids = [p.question_id for p in picks]
     if questions is None or any(q not in questions for q in qids):
         questions = {**(questions or {}), **await repo.question_prompts(session, qids)}
@@ -245,7 +273,9 @@ async def _replay_items(
     missing = [t for p in picks for t in p.candidates if t not in rows]
     if missing:
         rows.update(await repo.trajectories_by_id(session, missing, payload=True))
-    names = await repo.run_names(session, {t.source_run_id for t in rows.values() if t.source_run_id})
+    known = {} if run is None else {run.id: run.name}
+    sources = {t.source_run_id for t in rows.values() if t.source_run_id and t.source_run_id not in known}
+    names = {**known, **await repo.run_names(session, sources)}
     items = []
     payloads: list[tuple[bytes, bytes]] = []
     for p in picks:
@@ -276,9 +306,9 @@ def _question_body(q: Row[Any], num_samples: int) -> dict[str, Any]:
 
 async def _plan_public(
     session: AsyncSession,
-    pool: Pool,
-    run: Run,
-    batch: Batch,
+    pool: AnyPool,
+    run: AnyRun,
+    batch: AnyBatch,
     plan: s.StoredPlan | None = None,
     rows: dict[int, Row[Any]] | None = None,
 ) -> Answer:
@@ -287,7 +317,7 @@ async def _plan_public(
     plan = stored_plan(batch) if plan is None else plan
     k = plan.k
     questions = await repo.question_prompts(session, [*plan.fresh, *(p.question_id for p in plan.replay)])
-    replay, payloads = await _replay_items(session, plan.replay, k, questions=questions, rows=rows)
+    replay, payloads = await _replay_items(session, plan.replay, k, questions=questions, rows=rows, run=run)
     body = {
         "id": batch.id,
         "run": run.name,
@@ -308,7 +338,7 @@ async def _plan_public(
 
 
 # ------------------------------------------------------------------------------------ plan
-async def _plan_version(session: AsyncSession, run: Run, req: s.BatchCreate) -> int:
+async def _plan_version(session: AsyncSession, run: RunRow, req: s.BatchCreate) -> int:
     """The policy version a plan's tasks are generated with: the one it names, which must be
     published for the run, or the run's newest."""
     if req.policy_version is None:
@@ -330,7 +360,7 @@ async def _plan_version(session: AsyncSession, run: Run, req: s.BatchCreate) -> 
 
 
 def _task_rows(
-    batch: Batch, fresh: list[int], picks: list[s.StoredPick], k: int, req: s.BatchCreate
+    batch: BatchRow, fresh: list[int], picks: list[s.StoredPick], k: int, req: s.BatchCreate
 ) -> list[dict[str, object]]:
     """One generation task per planned question: K samples of a fresh one, K-1 of a replayed one,
     to be generated with exactly the batch's policy version, or (asynchronous plans) with any
@@ -353,17 +383,17 @@ def _task_rows(
 
 
 async def plan_batch(
-    ctx: Context, pool: Pool, run_name: str, req: s.BatchCreate, lease: LeaseClaim | None = None
+    ctx: Context, pool_name: str, run_name: str, req: s.BatchCreate, lease: LeaseClaim | None = None
 ) -> Answer:
     async with ctx.db.write() as session:
-        run = await run_for_write(session, pool, run_name, lease)
+        pool, run = await lock_run(session, pool_name, run_name, lease)
         version = await _plan_version(session, run, req)
         step = run.step + 1
         existing = await repo.open_batch(session, run.id, step)
         if existing is not None and not req.replan:
             return await _plan_public(session, pool, run, existing)
         if existing is not None:
-            existing.status = "abandoned"
+            await repo.update_batch(session, existing.id, {"status": "abandoned"})
             await repo.cancel_batch_tasks(session, existing.id)
         rules = rules_for(pool, run)
         rules = replace(
@@ -397,7 +427,8 @@ async def plan_batch(
             epoch=run.epoch,
             batch_size=rules.batch_size,
         )
-        batch = Batch(
+        now = utcnow()
+        batch = BatchRow(
             id=str(uuid.uuid4()),
             run_id=run.id,
             step=step,
@@ -405,40 +436,49 @@ async def plan_batch(
             phase=phase,
             policy_version=version,
             plan=plan.model_dump(),
-            created_at=utcnow(),
+            result=None,
+            created_at=now,
         )
-        session.add(batch)
+        await repo.insert_batch(session, batch)
         if req.create_tasks:
-            await session.flush()
             await repo.insert_tasks(session, _task_rows(batch, fresh, picks, rules.k, req))
-        run.updated_at = utcnow()
+        # what `_draw_fresh` moved on (the epoch and the cursor)
+        await repo.update_run(session, run.id, {"epoch": run.epoch, "cursor": run.cursor, "updated_at": now})
         ctx.metrics.batches_planned.labels(pool.name).inc()
         ctx.metrics.replay_picks.labels(pool.name).inc(len(picks))
         return await _plan_public(session, pool, run, batch, plan, rows)
 
 
-async def get_batch_plan(ctx: Context, pool: Pool, batch_id: str) -> Answer:
+async def get_batch_plan(ctx: Context, pool_name: str, batch_id: str) -> Answer:
     async with ctx.db.read() as session:
-        batch, run = await _batch_and_run(session, pool, batch_id)
+        found = await repo.batch_rows(session, pool_name, batch_id)
+        if found is None:
+            raise await _missing_batch(session, pool_name, batch_id)
+        pool, run, batch, _ = found
         return await _plan_public(session, pool, run, batch)
 
 
-async def _batch_and_run(
-    session: AsyncSession, pool: Pool, batch_id: str, *, lock: bool = False
-) -> tuple[Batch, Run]:
+async def _missing_batch(session: AsyncSession, pool_name: str, batch_id: str) -> NotFound:
+    """The 404 of a batch that `repo.batch_rows` did not find."""
+    if not await repo.pool_exists(session, pool_name):
+        return missing_pool(pool_name)
+    return _no_batch(pool_name, batch_id)
+
+
+def _no_batch(pool_name: str, batch_id: str) -> NotFound:
+    return NotFound(f"batch {batch_id!r} does not exist in pool {pool_name!r}")
+
+
+async def _batch_and_run(session: AsyncSession, pool: Pool, batch_id: str) -> tuple[Batch, Run]:
     batch = await repo.get_batch(session, batch_id)
-    run = None if batch is None else await repo.get_run_by_id(session, batch.run_id, lock=lock)
+    run = None if batch is None else await repo.get_run_by_id(session, batch.run_id)
     if batch is None or run is None or run.pool_id != pool.id:
-        raise NotFound(f"batch {batch_id!r} does not exist in pool {pool.name!r}")
-    if lock:
-        # read again under the run's lock: a concurrent commit of this batch may have finished
-        # while we waited for it (the first read predates that commit)
-        await session.refresh(batch)
+        raise _no_batch(pool.name, batch_id)
     return batch, run
 
 
 # ---------------------------------------------------------------------------------- commit
-def _check_against_plan(batch: Batch, groups: list[s.GroupResult]) -> None:
+def _check_against_plan(batch: BatchRow, groups: list[s.GroupResult]) -> None:
     plan = stored_plan(batch)
     expected = Counter([(q, False) for q in plan.fresh] + [(p.question_id, True) for p in plan.replay])
     got = Counter((g.question_id, any(r.replayed for r in g.rollouts)) for g in groups)
@@ -472,11 +512,14 @@ def _check_against_plan(batch: Batch, groups: list[s.GroupResult]) -> None:
 
 
 async def commit_batch(
-    ctx: Context, pool: Pool, batch_id: str, req: s.BatchCommit, lease: LeaseClaim | None = None
+    ctx: Context, pool_name: str, batch_id: str, req: s.BatchCommit, lease: LeaseClaim | None = None
 ) -> s.CommitResult:
     async with ctx.db.write() as session:
-        batch, run = await _batch_and_run(session, pool, batch_id, lock=True)
-        await check_fence(session, run, lease)
+        found = await repo.batch_rows(session, pool_name, batch_id, lock=True)
+        if found is None:
+            raise await _missing_batch(session, pool_name, batch_id)
+        pool, run, batch, lease_row = found
+        await check_fence(session, run.id, run.name, lease_row, lease)
         if batch.status == "committed":
             if not same_commit(batch, req):
                 raise Conflict(
@@ -495,6 +538,7 @@ async def commit_batch(
         rules = rules_for(pool, run)
         scopes = scopes_of(pool, run)
         version = batch.policy_version if req.policy_version is None else req.policy_version
+        experience = run_overrides(run).experience
         applied = await apply_groups(
             session,
             pool_id=pool.id,
@@ -503,21 +547,30 @@ async def commit_batch(
             rules=rules,
             groups=req.groups,
             collect=batch.phase == "mixed",
-            experience=run_overrides(run).experience,
+            experience=experience,
             capacity=capacity_of(pool),
             step=batch.step,
             policy_version=version,
         )
         solved = solved_fraction(r.reward for g in req.groups for r in g.rollouts)
         switched = False
-        experience = run_overrides(run).experience
         if experience and run.phase == "on_policy" and next_phase("on_policy", solved, rules) == "mixed":
             run.phase, run.switched_at_step, switched = "mixed", batch.step, True
         run.step = batch.step
         run.policy_version = max(run.policy_version, version)
         run.updated_at = utcnow()
+        await repo.update_run(
+            session,
+            run.id,
+            {
+                "phase": run.phase,
+                "switched_at_step": run.switched_at_step,
+                "step": run.step,
+                "policy_version": run.policy_version,
+                "updated_at": run.updated_at,
+            },
+        )
         batch.status = "committed"
-        batch.metrics = {**req.metrics, "batch/solved": solved}
         await repo.merge_run_metrics(
             session,
             run.id,
@@ -530,13 +583,21 @@ async def commit_batch(
                 "pool/retired": float(applied.retired),
             },
         )
-        batch.committed_at = utcnow()
         result = _result(batch.id, run, solved, switched, applied)
         if req.with_stats:
             # read in this transaction, after its writes: the state the commit leaves behind
             result.stats = await collect_run_stats(ctx, session, pool, run, last=batch)
-        # a replayed commit answers exactly this, stats included
-        batch.result = {**result.model_dump(), COMMIT_DIGEST: commit_digest(req)}
+        await repo.update_batch(
+            session,
+            batch.id,
+            {
+                "status": "committed",
+                "metrics": {**req.metrics, "batch/solved": solved},
+                "committed_at": utcnow(),
+                # a replayed commit answers exactly this, stats included
+                "result": {**result.model_dump(), COMMIT_DIGEST: commit_digest(req)},
+            },
+        )
     await _apply_all_moves(ctx, scopes.state, applied)
     ctx.metrics.batches_committed.labels(pool.name).inc()
     ctx.metrics.run_solved.labels(pool.name, run.name).set(solved)
@@ -544,7 +605,7 @@ async def commit_batch(
     return result
 
 
-def _result(batch_id: str | None, run: Run, solved: float, switched: bool, a: Applied) -> s.CommitResult:
+def _result(batch_id: str | None, run: RunRow, solved: float, switched: bool, a: Applied) -> s.CommitResult:
     return s.CommitResult(
         batch_id=batch_id,
         run=run.name,
@@ -562,7 +623,7 @@ def _result(batch_id: str | None, run: Run, solved: float, switched: bool, a: Ap
     )
 
 
-def _count(ctx: Context, pool: Pool, a: Applied) -> None:
+def _count(ctx: Context, pool: PoolRow, a: Applied) -> None:
     ctx.metrics.trajectories_ingested.labels(pool.name).inc(a.stored)
     ctx.metrics.trajectories_duplicate.labels(pool.name).inc(a.duplicates)
     ctx.metrics.retired.labels(pool.name).inc(a.retired)
@@ -570,13 +631,13 @@ def _count(ctx: Context, pool: Pool, a: Applied) -> None:
 
 # ---------------------------------------------------------------------------------- ingest
 async def ingest(
-    ctx: Context, pool: Pool, run_name: str, req: s.IngestRequest, lease: LeaseClaim | None = None
+    ctx: Context, pool_name: str, run_name: str, req: s.IngestRequest, lease: LeaseClaim | None = None
 ) -> s.CommitResult:
     """Graded groups from a producer outside the trainer, under the rules of a commit: retirement
     in both phases, collection in the mixed phase only, or also before it with `prefill`."""
     qids = sorted({g.question_id for g in req.groups})
     async with ctx.db.write() as session:
-        run = await run_for_write(session, pool, run_name, lease)
+        pool, run = await lock_run(session, pool_name, run_name, lease)
         found = await repo.questions_in_pool(session, pool.id, qids)
         missing = [q for q in qids if q not in found]
         if missing:
@@ -609,9 +670,9 @@ async def ingest(
 
 
 # ---------------------------------------------------------------------------------- select
-async def select_replay(ctx: Context, pool: Pool, run_name: str, req: s.SelectRequest) -> Answer:
+async def select_replay(ctx: Context, pool_name: str, run_name: str, req: s.SelectRequest) -> Answer:
     async with ctx.db.read() as session:
-        run = await _get_run(session, pool, run_name)
+        pool, run = await read_run(session, pool_name, run_name)
         scopes = scopes_of(pool, run)
         await ensure_index(ctx, session, scopes.state)
         sizes = await ctx.index.sizes(scopes.state)
@@ -628,7 +689,7 @@ async def select_replay(ctx: Context, pool: Pool, run_name: str, req: s.SelectRe
             req.candidates,
             run.step,
         )
-        items, payloads = await _replay_items(session, picks, rules.k, rows=rows)
+        items, payloads = await _replay_items(session, picks, rules.k, rows=rows, run=run)
     ctx.metrics.replay_picks.labels(pool.name).inc(len(items))
     body = {"run": run.name, "num_eligible": sum(sizes.values()), "replay": items}
     return Answer(s.SelectResult, body, payloads)

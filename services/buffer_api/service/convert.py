@@ -18,18 +18,38 @@ from exgrpo_client import frames
 from exgrpo_client import schemas as s
 from exgrpo_pool.domain import ExperienceRules, check_weights
 from exgrpo_pool.errors import BadRequest
-from exgrpo_pool.store.models import Batch, Pool, Question, Run, Trajectory, pool_scope
+from exgrpo_pool.store.models import (
+    AnyBatch,
+    AnyPool,
+    AnyRun,
+    Pool,
+    PoolRow,
+    Question,
+    RunRow,
+    Trajectory,
+    pool_scope,
+)
 
 
-def pool_config(pool: Pool) -> s.PoolConfig:
+def pool_config(pool: AnyPool) -> s.PoolConfig:
+    """The pool's config (a plain row validates its own once)."""
+    if isinstance(pool, PoolRow):
+        if pool.parsed is None:
+            pool.parsed = s.PoolConfig.model_validate(pool.config, strict=False)
+        return pool.parsed
     return s.PoolConfig.model_validate(pool.config, strict=False)
 
 
-def run_overrides(run: Run) -> s.RunOverrides:
+def run_overrides(run: AnyRun) -> s.RunOverrides:
+    """The run's overrides (a plain row validates its own once)."""
+    if isinstance(run, RunRow):
+        if run.parsed is None:
+            run.parsed = s.RunOverrides.model_validate(run.overrides, strict=False)
+        return run.parsed
     return s.RunOverrides.model_validate(run.overrides, strict=False)
 
 
-def rules_for(pool: Pool, run: Run | None = None) -> ExperienceRules:
+def rules_for(pool: AnyPool, run: AnyRun | None = None) -> ExperienceRules:
     return rules_of(pool_config(pool), run_overrides(run) if run is not None else None)
 
 
@@ -62,7 +82,7 @@ def rules_of(c: s.PoolConfig, o: s.RunOverrides | None = None) -> ExperienceRule
     )
 
 
-def stored_plan(batch: Batch) -> s.StoredPlan:
+def stored_plan(batch: AnyBatch) -> s.StoredPlan:
     return s.StoredPlan.model_validate(batch.plan)
 
 
@@ -99,14 +119,14 @@ def commit_digest(req: s.BatchCommit) -> str:
     return h.hexdigest()
 
 
-def committed_result(batch: Batch) -> s.CommitResult:
+def committed_result(batch: AnyBatch) -> s.CommitResult:
     """The answer of a committed batch's commit."""
     assert batch.result is not None
     answer = {k: v for k, v in batch.result.items() if k != COMMIT_DIGEST}
     return s.CommitResult.model_validate(answer, strict=False)
 
 
-def same_commit(batch: Batch, req: s.BatchCommit) -> bool:
+def same_commit(batch: AnyBatch, req: s.BatchCommit) -> bool:
     """Whether `req` commits what the committed `batch` was committed with."""
     assert batch.result is not None
     digest = batch.result.get(COMMIT_DIGEST)
@@ -130,7 +150,7 @@ class RunScopes:
         return self.state == self.trajectories
 
 
-def scopes_of(pool: Pool, run: Run) -> RunScopes:
+def scopes_of(pool: AnyPool, run: AnyRun) -> RunScopes:
     sharing = pool_config(pool).sharing
     shared = pool_scope(pool.id)
     if sharing == "pooled":
@@ -140,7 +160,7 @@ def scopes_of(pool: Pool, run: Run) -> RunScopes:
     return RunScopes(state=run.id, trajectories=run.id)
 
 
-def scope_of(pool: Pool, run: Run) -> int:
+def scope_of(pool: AnyPool, run: AnyRun) -> int:
     """The run's state scope (buckets and retirement)."""
     return scopes_of(pool, run).state
 
@@ -179,7 +199,7 @@ def pool_public(pool: Pool, counts: tuple[int, int, int]) -> s.PoolPublic:
     )
 
 
-def run_public(run: Run, pool_name: str) -> s.RunPublic:
+def run_public(run: AnyRun, pool_name: str) -> s.RunPublic:
     return s.RunPublic(
         id=run.id,
         name=run.name,

@@ -13,7 +13,7 @@ from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.index.base import Move
 from exgrpo_pool.service.convert import RunScopes, packed_of, pool_config, predecode
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import Pool, is_pool_scope, utcnow
+from exgrpo_pool.store.models import AnyPool, is_pool_scope, utcnow
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Capacity:
     payload_bytes: int | None = None
 
 
-def capacity_of(pool: Pool) -> Capacity:
+def capacity_of(pool: AnyPool) -> Capacity:
     config = pool_config(pool)
     return Capacity(config.max_trajectories_per_question, config.max_payload_bytes)
 

@@ -21,7 +21,7 @@ from exgrpo_client import schemas as s
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import Pool, Run, RunLease, utcnow
+from exgrpo_pool.store.models import AnyLease, LeaseRow, Pool, PoolRow, Run, RunLease, RunRow, utcnow
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,21 +50,25 @@ def parse_lease_header(value: str | None) -> LeaseClaim | None:
 async def require_run(session: AsyncSession, pool: Pool, name: str, *, lock: bool = False) -> Run:
     run = await repo.get_run(session, pool.id, name, lock=lock)
     if run is None:
-        raise NotFound(
-            f"run {name!r} does not exist in pool {pool.name!r}; create it with POST "
-            f"/v1/pools/{pool.name}/runs"
-        )
+        raise _no_run(pool.name, name)
     return run
 
 
-def _live(lease: RunLease | None, now: datetime) -> bool:
+def _no_run(pool_name: str, run_name: str) -> NotFound:
+    return NotFound(
+        f"run {run_name!r} does not exist in pool {pool_name!r}; create it with POST "
+        f"/v1/pools/{pool_name}/runs"
+    )
+
+
+def _live(lease: AnyLease | None, now: datetime) -> bool:
     return lease is not None and lease.expires_at > now
 
 
-def _held_by(run: Run, lease: RunLease, now: datetime) -> str:
+def _held_by(run_name: str, lease: AnyLease, now: datetime) -> str:
     left = (lease.expires_at - now).total_seconds()
     return (
-        f"run {run.name!r} is held by {lease.holder!r} (lease generation {lease.generation}, "
+        f"run {run_name!r} is held by {lease.holder!r} (lease generation {lease.generation}, "
         f"expires at {lease.expires_at.isoformat()}, in {left:.0f} s)"
     )
 
@@ -75,42 +79,45 @@ _HOW = (
 )
 
 
-async def check_fence(session: AsyncSession, run: Run, claim: LeaseClaim | None) -> None:
-    """Refuse a write on `run` that its lease does not allow. The caller holds the run's row lock."""
-    lease = await repo.get_lease(session, run.id)
+async def check_fence(
+    session: AsyncSession, run_id: int, run_name: str, lease: LeaseRow | None, claim: LeaseClaim | None
+) -> None:
+    """Refuse a write on a run that its lease (`lease`, read under the run's row lock, which the
+    caller holds) does not allow; the holder's write extends its live lease."""
     now = utcnow()
-    how = _HOW.format(run=run.name)
+    how = _HOW.format(run=run_name)
     if claim is None:
         if lease is not None and _live(lease, now):
             raise Conflict(
-                f"{_held_by(run, lease, now)}; this write carries no {s.LEASE_HEADER} header. Send the "
+                f"{_held_by(run_name, lease, now)}; this write carries no {s.LEASE_HEADER} header. Send the "
                 f"holder's header, {how}"
             )
         return
     if lease is None:
         raise Conflict(
-            f"{s.LEASE_HEADER} {claim} names a lease run {run.name!r} never had; take the lease with "
-            f"PUT .../runs/{run.name}/lease first"
+            f"{s.LEASE_HEADER} {claim} names a lease run {run_name!r} never had; take the lease with "
+            f"PUT .../runs/{run_name}/lease first"
         )
     if (claim.holder, claim.generation) == (lease.holder, lease.generation):
         if _live(lease, now):
             lease.expires_at = now + timedelta(seconds=lease.ttl_s)
+            await repo.extend_lease(session, run_id, lease.expires_at)
         return
     if _live(lease, now):
-        raise Conflict(f"lease {claim} is fenced out: {_held_by(run, lease, now)}; {how}")
+        raise Conflict(f"lease {claim} is fenced out: {_held_by(run_name, lease, now)}; {how}")
     raise Conflict(
-        f"lease {claim} is stale: run {run.name!r} was since leased to {lease.holder!r} with generation "
-        f"{lease.generation} (no longer live); take the lease again with PUT .../runs/{run.name}/lease"
+        f"lease {claim} is stale: run {run_name!r} was since leased to {lease.holder!r} with generation "
+        f"{lease.generation} (no longer live); take the lease again with PUT .../runs/{run_name}/lease"
     )
 
 
 async def refuse_if_held(session: AsyncSession, run: Run, what: str) -> None:
     """Refuse to `what` while someone holds a live lease of the run (the caller may force it)."""
-    lease = await repo.get_lease(session, run.id)
+    lease = await repo.get_lease_row(session, run.id)
     now = utcnow()
     if lease is not None and _live(lease, now):
         raise Conflict(
-            f"{_held_by(run, lease, now)}: {what} once the lease is released or expired, or now "
+            f"{_held_by(run.name, lease, now)}: {what} once the lease is released or expired, or now "
             "with force=true (the holder's next write then fails)"
         )
 
@@ -118,8 +125,41 @@ async def refuse_if_held(session: AsyncSession, run: Run, what: str) -> None:
 async def run_for_write(session: AsyncSession, pool: Pool, name: str, claim: LeaseClaim | None) -> Run:
     """The run, row-locked for the caller's transaction, once its lease allows this write."""
     run = await require_run(session, pool, name, lock=True)
-    await check_fence(session, run, claim)
+    await check_fence(session, run.id, run.name, await repo.get_lease_row(session, run.id), claim)
     return run
+
+
+async def missing_run(session: AsyncSession, pool_name: str, run_name: str) -> NotFound:
+    """The 404 of a pool or run that `repo.run_rows` did not find."""
+    if not await repo.pool_exists(session, pool_name):
+        return missing_pool(pool_name)
+    return _no_run(pool_name, run_name)
+
+
+def missing_pool(name: str) -> NotFound:
+    return NotFound(f"pool {name!r} does not exist; list pools with GET /v1/pools or create it")
+
+
+async def read_run(session: AsyncSession, pool_name: str, run_name: str) -> tuple[PoolRow, RunRow]:
+    """The pool and the run as plain rows, in one statement (a read)."""
+    found = await repo.run_rows(session, pool_name, run_name)
+    if found is None:
+        raise await missing_run(session, pool_name, run_name)
+    return found[0], found[1]
+
+
+async def lock_run(
+    session: AsyncSession, pool_name: str, run_name: str, claim: LeaseClaim | None
+) -> tuple[PoolRow, RunRow]:
+    """The pool and the run as plain rows, the run row-locked for the caller's transaction, once
+    its lease allows this write (the pool, the run and the lease in one statement on SQLite, two
+    on Postgres)."""
+    found = await repo.run_rows(session, pool_name, run_name, lock=True, lease=True)
+    if found is None:
+        raise await missing_run(session, pool_name, run_name)
+    pool, run, lease = found
+    await check_fence(session, run.id, run.name, lease, claim)
+    return pool, run
 
 
 def _public(lease: RunLease, run: Run, pool: Pool) -> s.RunLease:
@@ -166,7 +206,8 @@ async def acquire(ctx: Context, pool: Pool, run_name: str, req: s.RunLeaseReques
             lease.expires_at, lease.ttl_s = expires, req.ttl_s  # renewal
         elif _live(lease, now) and not req.takeover:
             raise Conflict(
-                f"{_held_by(run, lease, now)}; {req.holder!r} cannot take it: {_HOW.format(run=run.name)}"
+                f"{_held_by(run.name, lease, now)}; {req.holder!r} cannot take it: "
+                f"{_HOW.format(run=run.name)}"
             )
         else:  # free (released or expired), or a take-over
             lease.holder, lease.generation, lease.ttl_s = req.holder, lease.generation + 1, req.ttl_s

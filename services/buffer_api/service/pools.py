@@ -9,7 +9,7 @@ from sqlalchemy.exc import IntegrityError
 
 from exgrpo_client import schemas as s
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
-from exgrpo_pool.service.batches import _get_run, rebuild_index
+from exgrpo_pool.service.batches import rebuild_index
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
     checked_config,
@@ -22,7 +22,13 @@ from exgrpo_pool.service.convert import (
     scope_of,
     trajectory_public,
 )
-from exgrpo_pool.service.leases import LeaseClaim, refuse_if_held, require_run, run_for_write
+from exgrpo_pool.service.leases import (
+    LeaseClaim,
+    missing_pool,
+    refuse_if_held,
+    require_run,
+    run_for_write,
+)
 from exgrpo_pool.service.stats import collect_run_stats
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import PolicyVersion, Pool, Run, is_pool_scope, pool_scope, utcnow
@@ -32,7 +38,7 @@ async def load_pool(ctx: Context, name: str) -> Pool:
     async with ctx.db.read() as session:
         pool = await repo.get_pool(session, name)
     if pool is None:
-        raise NotFound(f"pool {name!r} does not exist; list pools with GET /v1/pools or create it")
+        raise missing_pool(name)
     return pool
 
 
@@ -215,7 +221,7 @@ async def list_runs(ctx: Context, pool: Pool) -> s.RunsPublic:
 
 async def show_run(ctx: Context, pool: Pool, name: str) -> s.RunPublic:
     async with ctx.db.read() as session:
-        return run_public(await _get_run(session, pool, name), pool.name)
+        return run_public(await require_run(session, pool, name), pool.name)
 
 
 async def delete_run(ctx: Context, pool: Pool, name: str, *, force: bool) -> None:
@@ -267,7 +273,7 @@ async def add_policy_version(
 
 async def list_policy_versions(ctx: Context, pool: Pool, name: str) -> s.PolicyVersionsPublic:
     async with ctx.db.read() as session:
-        run = await _get_run(session, pool, name)
+        run = await require_run(session, pool, name)
         pvs = await repo.policy_versions(session, run.id)
     data = [
         s.PolicyVersionPublic(version=p.version, uri=p.uri, step=p.step, created_at=p.created_at) for p in pvs
@@ -290,7 +296,7 @@ async def list_run_metrics(
     ctx: Context, pool: Pool, name: str, after_step: int, limit: int
 ) -> s.RunMetricsPublic:
     async with ctx.db.read() as session:
-        run = await _get_run(session, pool, name)
+        run = await require_run(session, pool, name)
         rows = await repo.run_metrics(session, run.id, after_step, limit)
     data = [s.RunMetricsStep(step=r.step, metrics=r.metrics, updated_at=r.updated_at) for r in rows]
     return s.RunMetricsPublic(run=run.name, data=data, count=len(data))
@@ -299,7 +305,7 @@ async def list_run_metrics(
 # ------------------------------------------------------------------------------------- stats
 async def run_stats(ctx: Context, pool: Pool, name: str) -> s.RunStats:
     async with ctx.db.read() as session:
-        return await collect_run_stats(ctx, session, pool, await _get_run(session, pool, name))
+        return await collect_run_stats(ctx, session, pool, await require_run(session, pool, name))
 
 
 async def pool_stats(ctx: Context, pool: Pool) -> s.PoolStats:

@@ -11,11 +11,11 @@ from exgrpo_client import schemas as s
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import scope_of, stored_plan
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import Batch, Pool, Run, utcnow
+from exgrpo_pool.store.models import AnyBatch, AnyPool, AnyRun, utcnow
 
 
 async def collect_run_stats(
-    ctx: Context, session: AsyncSession, pool: Pool, run: Run, *, last: Batch | None = None
+    ctx: Context, session: AsyncSession, pool: AnyPool, run: AnyRun, *, last: AnyBatch | None = None
 ) -> s.RunStats:
     """`last`: the run's last committed batch, when the caller holds it (a commit: its own batch)."""
     hist, retired, seen = await repo.state_counts(session, scope_of(pool, run))

@@ -9,9 +9,10 @@ from datetime import timedelta
 
 from exgrpo_client import schemas as s
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
-from exgrpo_pool.service.batches import _batch_and_run, _get_run
+from exgrpo_pool.service.batches import _batch_and_run
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import committed_result, decode_payload, messages
+from exgrpo_pool.service.leases import require_run as _get_run
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import Pool, Task, utcnow
 

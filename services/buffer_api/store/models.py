@@ -6,6 +6,7 @@ columns: a 4k-token trajectory costs 32 KB instead of ~60 KB of JSON text.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,7 +29,7 @@ from sqlalchemy.dialects.postgresql import BYTEA, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from exgrpo_client.schemas import BatchStatus, Phase, TaskStatus
+from exgrpo_client.schemas import BatchStatus, Phase, PoolConfig, RunOverrides, TaskStatus
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; Postgres gets a real BIGINT identity.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -259,3 +260,64 @@ class IdempotencyKey(Base):
     status_code: Mapped[int] = mapped_column(Integer)
     response: Mapped[Any] = mapped_column(Json)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+# ------------------------------------------------------------------------ plain rows (hot path)
+# The per-request rows of plan, commit, ingest and select, read with Core statements and written
+# back with explicit UPDATEs: no ORM identity map, flush or refresh on the hot path. Their fields
+# are named and typed like the mapped classes', so the code that reads them takes either.
+
+
+@dataclass(slots=True)
+class PoolRow:
+    id: int
+    name: str
+    config: dict[str, Any]
+    #: `config` as validated (by `convert.pool_config`, once per request)
+    parsed: PoolConfig | None = None
+
+
+@dataclass(slots=True)
+class RunRow:
+    id: int
+    pool_id: int
+    name: str
+    seed: int
+    phase: Phase
+    switched_at_step: int | None
+    step: int
+    policy_version: int
+    epoch: int
+    cursor: int
+    overrides: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    #: `overrides` as validated (by `convert.run_overrides`, once per request)
+    parsed: RunOverrides | None = None
+
+
+@dataclass(slots=True)
+class LeaseRow:
+    holder: str
+    generation: int
+    ttl_s: float
+    expires_at: datetime
+
+
+@dataclass(slots=True)
+class BatchRow:
+    id: str
+    run_id: int
+    step: int
+    status: BatchStatus
+    phase: Phase
+    policy_version: int
+    plan: dict[str, Any]
+    result: dict[str, Any] | None
+    created_at: datetime
+
+
+AnyPool = Pool | PoolRow
+AnyRun = Run | RunRow
+AnyLease = RunLease | LeaseRow
+AnyBatch = Batch | BatchRow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import fields
 from datetime import datetime
 from operator import itemgetter
 from typing import Any, cast
@@ -15,15 +16,19 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from exgrpo_pool.store.models import (
     Batch,
+    BatchRow,
     IdempotencyKey,
+    LeaseRow,
     PolicyVersion,
     Pool,
+    PoolRow,
     Question,
     Run,
     RunEpoch,
     RunLease,
     RunMetric,
     RunQuestion,
+    RunRow,
     Task,
     Trajectory,
     utcnow,
@@ -42,9 +47,124 @@ def _chunks(seq: Sequence[Any], n: int = _IN_CHUNK) -> Iterable[Sequence[Any]]:
         yield seq[i : i + n]
 
 
+def _is_pg(session: AsyncSession) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
+
+
 def _locked(session: AsyncSession, stmt: Select[Any]) -> Select[Any]:
     # SQLite has no row locks; its writers are serialised by Database.write().
-    return stmt.with_for_update() if session.get_bind().dialect.name == "postgresql" else stmt
+    return stmt.with_for_update() if _is_pg(session) else stmt
+
+
+# -------------------------------------------------------------- plain rows of the hot path
+def _columns(table: Any, cls: Any) -> list[Any]:
+    """The table's columns of a row dataclass's fields, in the dataclass's order."""
+    return [table.c[f.name] for f in fields(cls) if f.name != "parsed"]
+
+
+_pool_t, _run_t, _lease_t, _batch_t = (cast(Table, m.__table__) for m in (Pool, Run, RunLease, Batch))
+_POOL_COLS = _columns(_pool_t, PoolRow)
+_RUN_COLS = _columns(_run_t, RunRow)
+_LEASE_COLS = _columns(_lease_t, LeaseRow)
+_BATCH_COLS = _columns(_batch_t, BatchRow)
+_NP, _NR, _NB = len(_POOL_COLS), len(_RUN_COLS), len(_BATCH_COLS)
+
+
+def _lease_row(values: Sequence[Any]) -> LeaseRow | None:
+    return None if values[0] is None else LeaseRow(*values)
+
+
+async def get_lease_row(session: AsyncSession, run_id: int) -> LeaseRow | None:
+    """The run's lease as a plain row (callers hold the run's row lock)."""
+    row = (await session.execute(select(*_LEASE_COLS).where(_lease_t.c.run_id == run_id))).first()
+    return None if row is None else LeaseRow(*row)
+
+
+async def run_rows(
+    session: AsyncSession, pool_name: str, run_name: str, *, lock: bool = False, lease: bool = False
+) -> tuple[PoolRow, RunRow, LeaseRow | None] | None:
+    """The pool and the run (None: either does not exist) in one statement, the run row-locked
+    for the caller's transaction with `lock`; with `lease` also the run's lease, read after the
+    lock. On Postgres that is a second statement: a statement that waited for the lock answers
+    the other tables' rows as they were when it started, and a take-over committed meanwhile
+    would go unseen. (SQLite serialises writers before their first statement.)"""
+    joined = lease and not (lock and _is_pg(session))
+    source = _run_t.join(_pool_t, _pool_t.c.id == _run_t.c.pool_id)
+    cols = [*_POOL_COLS, *_RUN_COLS]
+    if joined:
+        source = source.outerjoin(_lease_t, _lease_t.c.run_id == _run_t.c.id)
+        cols += _LEASE_COLS
+    stmt = select(*cols).select_from(source).where(_pool_t.c.name == pool_name, _run_t.c.name == run_name)
+    if lock and _is_pg(session):
+        stmt = stmt.with_for_update(of=_run_t)
+    row = (await session.execute(stmt)).first()
+    if row is None:
+        return None
+    values = tuple(row)
+    run = RunRow(*values[_NP : _NP + _NR])
+    found = None
+    if joined:
+        found = _lease_row(values[_NP + _NR :])
+    elif lease:
+        found = await get_lease_row(session, run.id)
+    return PoolRow(*values[:_NP]), run, found
+
+
+async def batch_rows(
+    session: AsyncSession, pool_name: str, batch_id: str, *, lock: bool = False
+) -> tuple[PoolRow, RunRow, BatchRow, LeaseRow | None] | None:
+    """A batch of a pool with its run and pool (None: no such batch in that pool). With `lock`
+    the run is row-locked and the batch and the run's lease are read after the lock (a second
+    statement on Postgres, see `run_rows`): a concurrent commit of the batch that finished while
+    this one waited is seen."""
+    source = _batch_t.join(_run_t, _run_t.c.id == _batch_t.c.run_id).join(
+        _pool_t, _pool_t.c.id == _run_t.c.pool_id
+    )
+    where = (_batch_t.c.id == batch_id, _pool_t.c.name == pool_name)
+    if lock and _is_pg(session):
+        stmt = select(*_POOL_COLS, *_RUN_COLS).select_from(source).where(*where).with_for_update(of=_run_t)
+        row = (await session.execute(stmt)).first()
+        if row is None:
+            return None
+        after = select(*_BATCH_COLS, *_LEASE_COLS).select_from(
+            _batch_t.outerjoin(_lease_t, _lease_t.c.run_id == _batch_t.c.run_id)
+        )
+        more = (await session.execute(after.where(_batch_t.c.id == batch_id))).first()
+        if more is None:
+            return None
+        values = (*row, *more)
+    else:
+        cols = [*_POOL_COLS, *_RUN_COLS, *_BATCH_COLS]
+        if lock:
+            source = source.outerjoin(_lease_t, _lease_t.c.run_id == _run_t.c.id)
+            cols += _LEASE_COLS
+        found = (await session.execute(select(*cols).select_from(source).where(*where))).first()
+        if found is None:
+            return None
+        values = tuple(found)
+    b = _NP + _NR
+    lease = _lease_row(values[b + _NB :]) if lock else None
+    return PoolRow(*values[:_NP]), RunRow(*values[_NP:b]), BatchRow(*values[b : b + _NB]), lease
+
+
+async def pool_exists(session: AsyncSession, name: str) -> bool:
+    return (await session.scalar(select(_pool_t.c.id).where(_pool_t.c.name == name))) is not None
+
+
+async def update_run(session: AsyncSession, run_id: int, values: dict[str, Any]) -> None:
+    await session.execute(update(_run_t).where(_run_t.c.id == run_id).values(values))
+
+
+async def update_batch(session: AsyncSession, batch_id: str, values: dict[str, Any]) -> None:
+    await session.execute(update(_batch_t).where(_batch_t.c.id == batch_id).values(values))
+
+
+async def insert_batch(session: AsyncSession, batch: BatchRow) -> None:
+    await session.execute(_batch_t.insert().values({c.name: getattr(batch, c.name) for c in _BATCH_COLS}))
+
+
+async def extend_lease(session: AsyncSession, run_id: int, expires_at: datetime) -> None:
+    await session.execute(update(_lease_t).where(_lease_t.c.run_id == run_id).values(expires_at=expires_at))
 
 
 # ------------------------------------------------------------------------------------ pools
@@ -381,15 +501,22 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
 
 
 async def trajectories_of(
-    session: AsyncSession, qids: Sequence[int], *, scope: int | None, payload: bool = True, text: bool = False
+    session: AsyncSession,
+    qids: Sequence[int],
+    *,
+    scope: int | None,
+    payload: bool = True,
+    text: bool = False,
+    only: Sequence[str] | None = None,
 ) -> dict[int, list[Trajectory]]:
     """The stored trajectories of questions, of one scope (None: of every scope); token ids and
-    log-probs with `payload`, the response text with `text`."""
+    log-probs with `payload`, the response text with `text`; `only`: just these columns (the
+    question id and the id among them), in id order all the same."""
     out: dict[int, list[Trajectory]] = {q: [] for q in qids}
     # plain rows (attribute access like the ORM class), not ORM instances: building ~300 mapped
     # objects per plan was ~15% of its time in a profile
     skip = (() if payload else ("token_ids", "logprobs", "dedup_key")) + (() if text else ("text",))
-    cols = [c for c in Trajectory.__table__.c if c.name not in skip]
+    cols = [c for c in Trajectory.__table__.c if c.name not in skip and (only is None or c.name in only)]
     for chunk in _chunks(list(qids)):
         stmt = select(*cols).where(Trajectory.question_id.in_(chunk)).order_by(Trajectory.id)
         if scope is not None:
@@ -551,9 +678,11 @@ async def get_batch(session: AsyncSession, batch_id: str, *, lock: bool = False)
     return (await session.execute(stmt)).scalar_one_or_none()
 
 
-async def open_batch(session: AsyncSession, run_id: int, step: int) -> Batch | None:
-    stmt = select(Batch).where(Batch.run_id == run_id, Batch.step == step, Batch.status == "planned")
-    return (await session.execute(stmt)).scalars().first()
+async def open_batch(session: AsyncSession, run_id: int, step: int) -> BatchRow | None:
+    c = _batch_t.c
+    stmt = select(*_BATCH_COLS).where(c.run_id == run_id, c.step == step, c.status == "planned").limit(1)
+    row = (await session.execute(stmt)).first()
+    return None if row is None else BatchRow(*row)
 
 
 async def last_committed_batch(session: AsyncSession, run_id: int) -> Batch | None:
@@ -714,13 +843,17 @@ async def queue_depth(session: AsyncSession) -> int:
 
 # ------------------------------------------------------------------------------ run metrics
 async def merge_run_metrics(session: AsyncSession, run_id: int, step: int, metrics: dict[str, float]) -> None:
-    """Callers hold the run's row lock, which serialises writers of one run."""
-    row = await session.get(RunMetric, (run_id, step))
-    if row is None:
-        session.add(RunMetric(run_id=run_id, step=step, metrics=dict(metrics), updated_at=utcnow()))
-    else:
-        row.metrics = {**row.metrics, **metrics}
-        row.updated_at = utcnow()
+    """Add `metrics` to the run's numbers of `step` (a name sent again takes the new value), in
+    one statement. Callers hold the run's row lock, which serialises writers of one run."""
+    table = RunMetric.__table__
+    ins = _insert(session, table).values(run_id=run_id, step=step, metrics=dict(metrics), updated_at=utcnow())
+    old, new = table.c.metrics, ins.excluded.metrics
+    # the stored object's keys, then the new ones (a JSON object merge on either backend)
+    merged = old.op("||", return_type=old.type)(new) if _is_pg(session) else func.json_patch(old, new)
+    stmt = ins.on_conflict_do_update(
+        index_elements=["run_id", "step"], set_={"metrics": merged, "updated_at": ins.excluded.updated_at}
+    )
+    await session.execute(stmt)
 
 
 async def run_metrics(session: AsyncSession, run_id: int, after_step: int, limit: int) -> list[RunMetric]:

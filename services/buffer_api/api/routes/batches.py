@@ -13,9 +13,11 @@ from exgrpo_pool.api.deps import (
     ContextDep,
     IdempotencyDep,
     ReadPool,
+    ReadPoolName,
     RowId,
     RunLeaseDep,
     WritePool,
+    WritePoolName,
 )
 from exgrpo_pool.api.wire import FrameRoute, WireDep, frame_answer, frame_body
 from exgrpo_pool.service import batches, tasks
@@ -24,7 +26,7 @@ router = APIRouter(prefix="/v1/pools/{pool}", tags=["batches"], route_class=Fram
 
 
 @router.get("/batches/{batch_id}", response_model=s.BatchPlan, responses=frame_answer(s.BatchPlan))
-async def show_batch(batch_id: BatchId, pool: ReadPool, ctx: ContextDep, wire: WireDep) -> object:
+async def show_batch(batch_id: BatchId, pool: ReadPoolName, ctx: ContextDep, wire: WireDep) -> object:
     with wire.answering():
         return wire.respond(await batches.get_batch_plan(ctx, pool, batch_id))
 
@@ -42,7 +44,7 @@ async def batch_status(batch_id: BatchId, pool: ReadPool, ctx: ContextDep) -> s.
 async def commit_batch(
     batch_id: BatchId,
     body: s.BatchCommit,
-    pool: WritePool,
+    pool: WritePoolName,
     ctx: ContextDep,
     idem: IdempotencyDep,
     lease: RunLeaseDep,

@@ -12,9 +12,11 @@ from exgrpo_pool.api.deps import (
     ContextDep,
     IdempotencyDep,
     ReadPool,
+    ReadPoolName,
     RunLeaseDep,
     RunName,
     WritePool,
+    WritePoolName,
 )
 from exgrpo_pool.api.wire import FrameRoute, WireDep, frame_answer, frame_body
 from exgrpo_pool.service import batches, leases, tasks
@@ -134,7 +136,7 @@ async def list_policy_versions(run: RunName, pool: ReadPool, ctx: ContextDep) ->
 async def plan_batch(
     run: RunName,
     body: s.BatchCreate,
-    pool: WritePool,
+    pool: WritePoolName,
     ctx: ContextDep,
     idem: IdempotencyDep,
     lease: RunLeaseDep,
@@ -158,7 +160,7 @@ async def plan_batch(
 async def ingest(
     run: RunName,
     body: s.IngestRequest,
-    pool: WritePool,
+    pool: WritePoolName,
     ctx: ContextDep,
     idem: IdempotencyDep,
     lease: RunLeaseDep,
@@ -170,7 +172,7 @@ async def ingest(
 
 @router.post("/{run}/select", response_model=s.SelectResult, responses=frame_answer(s.SelectResult))
 async def select_replay(
-    run: RunName, body: s.SelectRequest, pool: ReadPool, ctx: ContextDep, wire: WireDep
+    run: RunName, body: s.SelectRequest, pool: ReadPoolName, ctx: ContextDep, wire: WireDep
 ) -> object:
     with wire.answering():
         return wire.respond(await batches.select_replay(ctx, pool, run, body))

@@ -1,0 +1,134 @@
+"""What plan, commit, ingest and select read and write in their one transaction: the pool's
+config as it stands (changed by another replica included), the writer lease a write extends,
+and the 404 of a pool or run that does not exist."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import httpx
+from sqlalchemy import Engine, event, text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from .factories import B, commit_batch, correct_first, make_groups, ok, plan_batch, setup_pool
+from .harness import Backend, serve
+
+
+async def test_a_config_change_by_another_replica_is_seen_by_the_next_plan(backend: Backend) -> None:
+    async with serve(backend.settings()) as a, serve(backend.settings()) as b:
+        await setup_pool(a)
+        assert len((await plan_batch(a))["fresh"]) == B
+        ok(await b.patch("/v1/pools/p1", json={"config": {"batch_size": B // 2}}))
+        replanned = await plan_batch(a, replan=True)
+        assert len(replanned["fresh"]) == B // 2
+        # and the other way round, each replica planning after the other's change
+        ok(await a.patch("/v1/pools/p1", json={"config": {"batch_size": B}}))
+        assert len((await plan_batch(b, replan=True))["fresh"]) == B
+
+
+async def _lease_expiry(backend: Backend) -> datetime:
+    engine = create_async_engine(backend.database_url)
+    try:
+        async with engine.connect() as conn:
+            value = (await conn.execute(text("SELECT expires_at FROM run_lease"))).scalar_one()
+    finally:
+        await engine.dispose()
+    return value if isinstance(value, datetime) else datetime.fromisoformat(value)
+
+
+async def test_each_write_of_the_holder_extends_its_lease(backend: Backend) -> None:
+    async with serve(backend.settings()) as client:
+        await setup_pool(client)
+        lease = ok(await client.put("/v1/pools/p1/runs/r1/lease", json={"holder": "t", "ttl_s": 600}))
+        header = {"X-Run-Lease": f"t:{lease['generation']}"}
+        seen = [await _lease_expiry(backend)]
+        plan = ok(await client.post("/v1/pools/p1/runs/r1/batches", json={}, headers=header), 201)
+        seen.append(await _lease_expiry(backend))
+        body = make_groups(plan, correct_first(lambda q: 1))
+        ok(await commit_batch(client, plan, body, **header))
+        seen.append(await _lease_expiry(backend))
+        ingest = {"groups": body["groups"][:2]}
+        ok(await client.post("/v1/pools/p1/runs/r1/ingest", json=ingest, headers=header))
+        seen.append(await _lease_expiry(backend))
+        assert seen == sorted(seen) and len(set(seen)) == len(seen), seen
+        # a write without the holder's header is refused and extends nothing
+        refused = await client.post("/v1/pools/p1/runs/r1/batches", json={})
+        assert refused.status_code == 409
+        assert await _lease_expiry(backend) == seen[-1]
+
+
+async def test_a_missing_pool_run_or_batch_is_a_404_on_the_hot_paths(client: httpx.AsyncClient) -> None:
+    await setup_pool(client)
+    plan = await plan_batch(client)
+    groups = make_groups(plan, correct_first(lambda q: 1))
+    cases = [
+        ("/v1/pools/nope/runs/r1/batches", {}, "pool 'nope' does not exist"),
+        ("/v1/pools/p1/runs/nope/batches", {}, "run 'nope' does not exist in pool 'p1'"),
+        ("/v1/pools/nope/runs/r1/select", {"n": 1}, "pool 'nope' does not exist"),
+        ("/v1/pools/p1/runs/nope/select", {"n": 1}, "run 'nope' does not exist in pool 'p1'"),
+        ("/v1/pools/nope/runs/r1/ingest", groups, "pool 'nope' does not exist"),
+        ("/v1/pools/p1/runs/nope/ingest", groups, "run 'nope' does not exist in pool 'p1'"),
+        (f"/v1/pools/nope/batches/{plan['id']}/commit", groups, "pool 'nope' does not exist"),
+        ("/v1/pools/p1/batches/nope/commit", groups, "batch 'nope' does not exist in pool 'p1'"),
+    ]
+    for path, body, detail in cases:
+        r = await client.post(path, json=body, headers={"Idempotency-Key": path})
+        assert r.status_code == 404 and detail in r.json()["detail"], (path, r.text)
+    for path, detail in [
+        (f"/v1/pools/nope/batches/{plan['id']}", "pool 'nope' does not exist"),
+        ("/v1/pools/p1/batches/nope", "batch 'nope' does not exist in pool 'p1'"),
+    ]:
+        r = await client.get(path)
+        assert r.status_code == 404 and detail in r.json()["detail"], (path, r.text)
+
+
+@contextlib.contextmanager
+def _statements() -> Iterator[list[str]]:
+    """The SQL statements every engine of this process runs meanwhile."""
+    seen: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        seen.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", count)
+    try:
+        yield seen
+    finally:
+        event.remove(Engine, "before_cursor_execute", count)
+
+
+async def test_statements_per_request(backend: Backend) -> None:
+    """The statements a steady-state plan, commit, ingest and select run, each in one transaction
+    (the idempotency key's record and answer included), pinned: a change that adds one to every
+    request is seen. Postgres reads the run's lease after its row lock, one more."""
+    pg = backend.name.startswith("postgres")
+    half = correct_first(lambda q: 2)  # every group collected: plans and selections replay
+    async with serve(backend.settings()) as client:
+        await setup_pool(client, phase="mixed", questions=64)
+        for _ in range(2):  # the first plan also starts the epoch and loads the index
+            plan = await plan_batch(client)
+            ok(await commit_batch(client, plan, make_groups(plan, half)))
+        counts: dict[str, int] = {}
+        key = {"Idempotency-Key": "k1"}
+        with _statements() as seen:
+            r = await client.post("/v1/pools/p1/runs/r1/batches", json={}, headers=key)
+        plan, counts["plan"] = ok(r, 201), len(seen)
+        assert plan["replay"]
+        body = make_groups(plan, half)
+        with _statements() as seen:
+            ok(await commit_batch(client, plan, body, **key))
+        counts["commit"] = len(seen)
+        with _statements() as seen:
+            ok(await client.post("/v1/pools/p1/runs/r1/ingest", json=body, headers=key))
+        counts["ingest"] = len(seen)
+        with _statements() as seen:
+            assert ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 4}))["replay"]
+        counts["select"] = len(seen)
+    # plan: key, run (+ lease), open batch, states, candidates, batch, run update, prompts, answer
+    # commit: key, run (+ batch and lease), states, state upsert, trajectories, run update,
+    # metrics, batch, answer; ingest: key, run (+ lease), questions, states, state upsert,
+    # trajectories, answer; select: run, states, candidates, prompts
+    assert counts == {"plan": 9 + pg, "commit": 9 + pg, "ingest": 7 + pg, "select": 4}, counts
