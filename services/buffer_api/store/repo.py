@@ -63,6 +63,9 @@ def _columns(table: Any, cls: Any) -> list[Any]:
 
 
 _pool_t, _run_t, _lease_t, _batch_t = (cast(Table, m.__table__) for m in (Pool, Run, RunLease, Batch))
+#: (statements on the hot path name table columns, not mapped attributes: a statement with a
+#: mapped attribute in it is compiled and its result read through the ORM)
+_question_t, _traj_t = (cast(Table, m.__table__) for m in (Question, Trajectory))
 _POOL_COLS = _columns(_pool_t, PoolRow)
 _RUN_COLS = _columns(_run_t, RunRow)
 _LEASE_COLS = _columns(_lease_t, LeaseRow)
@@ -243,7 +246,7 @@ async def questions_in_pool(session: AsyncSession, pool_id: int, ids: Sequence[i
     """Which of `ids` are questions of the pool."""
     out: set[int] = set()
     for chunk in _chunks(sorted(set(ids))):
-        stmt = select(Question.id).where(Question.pool_id == pool_id, Question.id.in_(chunk))
+        stmt = select(_question_t.c.id).where(_question_t.c.pool_id == pool_id, _question_t.c.id.in_(chunk))
         out.update(int(q) for (q,) in await session.execute(stmt))
     return out
 
@@ -518,9 +521,9 @@ async def trajectories_of(
     skip = (() if payload else ("token_ids", "logprobs", "dedup_key")) + (() if text else ("text",))
     cols = [c for c in Trajectory.__table__.c if c.name not in skip and (only is None or c.name in only)]
     for chunk in _chunks(list(qids)):
-        stmt = select(*cols).where(Trajectory.question_id.in_(chunk)).order_by(Trajectory.id)
+        stmt = select(*cols).where(_traj_t.c.question_id.in_(chunk)).order_by(_traj_t.c.id)
         if scope is not None:
-            stmt = stmt.where(Trajectory.scope == scope)
+            stmt = stmt.where(_traj_t.c.scope == scope)
         for row in await session.execute(stmt):
             out[row.question_id].append(row)  # type: ignore[arg-type]  # a Row read like a Trajectory
     return out
@@ -535,7 +538,7 @@ async def trajectories_by_id(
     cols = [c for c in Trajectory.__table__.c if c.name not in skip]
     out: dict[int, Row[Any]] = {}
     for chunk in _chunks(sorted(set(ids))):
-        for row in await session.execute(select(*cols).where(Trajectory.id.in_(chunk))):
+        for row in await session.execute(select(*cols).where(_traj_t.c.id.in_(chunk))):
             out[row.id] = row
     return out
 
@@ -544,11 +547,8 @@ async def delete_trajectories(session: AsyncSession, scope: int, qids: Sequence[
     """Remove the trajectories of questions in one scope (retired questions are never replayed)."""
     removed = 0
     for chunk in _chunks(sorted(set(qids))):
-        stmt = (
-            delete(Trajectory)
-            .where(Trajectory.scope == scope, Trajectory.question_id.in_(chunk))
-            .returning(Trajectory.id)
-        )
+        t = _traj_t.c
+        stmt = delete(_traj_t).where(t.scope == scope, t.question_id.in_(chunk)).returning(t.id)
         removed += len((await session.execute(stmt)).all())
     return removed
 
@@ -604,11 +604,8 @@ async def evict_oldest(session: AsyncSession, pool_id: int, num_bytes: int) -> l
 async def questions_with_trajectories(session: AsyncSession, scope: int, qids: Sequence[int]) -> set[int]:
     out: set[int] = set()
     for chunk in _chunks(sorted(set(qids))):
-        stmt = (
-            select(Trajectory.question_id)
-            .where(Trajectory.scope == scope, Trajectory.question_id.in_(chunk))
-            .distinct()
-        )
+        t = _traj_t.c
+        stmt = select(t.question_id).where(t.scope == scope, t.question_id.in_(chunk)).distinct()
         out.update(int(q) for (q,) in (await session.execute(stmt)).all())
     return out
 
@@ -708,7 +705,7 @@ async def run_batches(session: AsyncSession, run_id: int, limit: int) -> list[Ba
 # ------------------------------------------------------------------------------------- tasks
 async def insert_tasks(session: AsyncSession, rows: list[dict[str, Any]]) -> None:
     if rows:
-        await session.execute(_insert(session, Task), rows)
+        await session.execute(_insert(session, Task.__table__), rows)
 
 
 def _claimable(now: datetime) -> ColumnElement[bool]:
