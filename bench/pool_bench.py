@@ -1228,6 +1228,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "argv": sys.argv[1:],
         "service_package": _service_path(),
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
     }
 
 
