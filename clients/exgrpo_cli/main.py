@@ -591,25 +591,52 @@ def runs_delete(
     render.show(state.json, result, lambda: render.kv_table(f"deleted run {run} of {pool}", result))
 
 
+NDJSON_SUFFIXES = (".ndjson", ".jsonl", ".json")
+"""File names that get an NDJSON export unless --format says otherwise."""
+
+
+ExportFormat = Literal["ndjson", "binary"]
+
+
+def export_format(file: Path, given: ExportFormat | None) -> ExportFormat:
+    """--format, or by the file's name: NDJSON for .ndjson, .jsonl and .json, else binary."""
+    if given is not None:
+        return given
+    return "ndjson" if file.suffix.lower() in NDJSON_SUFFIXES else "binary"
+
+
 @pool_app.command("export")
 @friendly_errors
 def pool_export(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="Pool name.")],
-    file: Annotated[Path, typer.Argument(help="Where to write the NDJSON export.")],
+    file: Annotated[Path, typer.Argument(help="Where to write the export.")],
+    fmt: Annotated[
+        ExportFormat | None,
+        typer.Option(
+            "--format",
+            help="ndjson (one JSON record a line, payloads as base64: jq and other languages read it) "
+            "or binary (msgpack records, payloads as raw buffers: smaller and faster). Default: ndjson "
+            "for a file named *.ndjson, *.jsonl or *.json, binary otherwise.",
+            show_default=False,
+        ),
+    ] = None,
     as_json: render.JsonOption = False,
 ) -> None:
-    """Export a pool (questions, runs, states, trajectories) to an NDJSON file."""
+    """Export a pool (questions, runs, states, trajectories) to a file; `pool import` reads both
+    formats."""
     state = _state(ctx, as_json)
+    form = export_format(file, fmt)
     with (
         state.client() as client,
         render.progress_bar(f"export {name}", total=None, unit="bytes", enabled=not state.json) as progress,
     ):
-        exported = client.export_pool(name, file, progress)
+        exported = client.export_pool(name, file, progress, binary=form == "binary")
     h = exported.header
     result = {
         "pool": h.pool.name,
         "path": str(file),
+        "format": form,
         "num_bytes": exported.num_bytes,
         "num_questions": h.num_questions,
         "num_trajectories": h.num_trajectories,
@@ -622,7 +649,9 @@ def pool_export(
 @friendly_errors
 def pool_import(
     ctx: typer.Context,
-    file: Annotated[Path, typer.Argument(help="An export written by `exgrpo pool export`.")],
+    file: Annotated[
+        Path, typer.Argument(help="An export written by `exgrpo pool export` (NDJSON or binary).")
+    ],
     name: Annotated[str | None, typer.Option(help="Import under this name instead.")] = None,
     as_json: render.JsonOption = False,
 ) -> None:

@@ -26,7 +26,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from exgrpo_client import errors, frames
+from exgrpo_client import errors, exports, frames
 from exgrpo_client import schemas as s
 from exgrpo_client._models import Health, PoolExported, PoolImported, Readiness
 
@@ -146,6 +146,9 @@ class Call(Generic[T]):
     sends JSON. Instead of `body`."""
     frame_parse: Callable[[bytes], T] | None = None
     """How to read the answer when it comes as a binary frame (plans, selections)."""
+    headers: Mapping[str, str] | None = None
+    """Headers of this call over the ones the client sets (a pool export's `Accept`, a pool
+    import's `Content-Type`)."""
 
 
 def seg(value: str | int) -> str:
@@ -265,13 +268,27 @@ def question(pool: str, question_id: int, payload: bool) -> Call[s.QuestionDetai
     return get(f"/v1/pools/{seg(pool)}/questions/{seg(question_id)}", _model(s.QuestionDetail), params)
 
 
-def export_pool(pool: str) -> Call[bytes]:
-    return get(f"/v1/pools/{seg(pool)}/export", bytes)
+NDJSON = "application/x-ndjson"
 
 
-def import_pool(name: str | None) -> Call[PoolImported]:
+def export_pool(pool: str, binary: bool) -> Call[bytes]:
+    """A pool's export, in its binary form (`exgrpo_client.exports`) or as NDJSON."""
+    accept = f"{exports.MEDIA_TYPE}, {NDJSON}" if binary else NDJSON
+    return get(f"/v1/pools/{seg(pool)}/export", bytes, headers={"accept": accept})
+
+
+def import_pool(name: str | None, source: UploadSource) -> Call[PoolImported]:
+    """A pool import of `source`, sent as what its first bytes say it is."""
     params = None if name is None else {"name": name}
-    return Call("POST", "/v1/pools/import", _model(PoolImported), params=params)
+    binary = exports.is_binary(source.peek(len(exports.MAGIC)))
+    content_type = exports.MEDIA_TYPE if binary else NDJSON
+    return Call(
+        "POST",
+        "/v1/pools/import",
+        _model(PoolImported),
+        params=params,
+        headers={"content-type": content_type},
+    )
 
 
 # ---------------------------------------------------------------------------- endpoints: runs
@@ -613,6 +630,8 @@ class BaseClient:
             headers["content-type"] = "application/x-ndjson"
         if self.binary and call.frame_parse is not None:
             headers["accept"] = f"{frames.MEDIA_TYPE}, application/json"
+        if call.headers is not None:
+            headers.update(call.headers)
         if call.idempotency_key is not None:
             headers["idempotency-key"] = call.idempotency_key
         lease = self._lease_for(call)
@@ -705,7 +724,7 @@ def known_length(items: Iterable[Any]) -> int | None:
 
 class ExportWriter:
     """Writes an export stream to a path (via `<path>.partial`, renamed when complete) or to an
-    open binary file, and reads the header line as it passes."""
+    open binary file, and reads the header record as it passes (NDJSON or binary)."""
 
     def __init__(self, dest: PathOrFile) -> None:
         self.num_bytes = 0
@@ -724,9 +743,13 @@ class ExportWriter:
         self.num_bytes += len(chunk)
         if self.header is None:
             self._head += chunk
-            line, newline, _ = self._head.partition(b"\n")
-            if newline:
-                self.header = parse_export_header(line)
+            if exports.is_binary(self._head):
+                self.header = binary_export_header(self._head)
+            else:
+                line, newline, _ = self._head.partition(b"\n")
+                if newline:
+                    self.header = parse_export_header(line)
+            if self.header is not None:
                 self._head = b""
 
     def finish(self) -> PoolExported:
@@ -746,6 +769,16 @@ class ExportWriter:
         if self._tmp is not None:
             self.file.close()
             self._tmp.unlink(missing_ok=True)
+
+
+def binary_export_header(head: bytes) -> s.ExportHeader | None:
+    """The header of a binary export from its first bytes; None until they hold all of it."""
+    try:
+        return exports.header(head)
+    except ValidationError as e:
+        raise errors.ExgrpoError(f"not a pool export: {s.validation_summary(e)}") from e
+    except exports.ExportFormatError as e:
+        raise errors.ExgrpoError(f"not a pool export: {e}") from e
 
 
 def parse_export_header(line: bytes) -> s.ExportHeader:
@@ -769,6 +802,7 @@ class UploadSource:
             self.file = src
             self._owned = False
         self._start: int | None = None
+        self._peeked = b""
         self.total: int | None = None
         if self.file.seekable():
             self._start = self.file.tell()
@@ -783,7 +817,19 @@ class UploadSource:
         assert self._start is not None
         self.file.seek(self._start)
 
+    def peek(self, n: int) -> bytes:
+        """The first `n` bytes (fewer if it is shorter), still to be read."""
+        if self._peeked or not self.rewindable:
+            self._peeked += self.file.read(max(0, n - len(self._peeked)))
+            return self._peeked[:n]
+        head = self.file.read(n)
+        self.rewind()
+        return head
+
     def read(self) -> bytes:
+        if self._peeked:
+            head, self._peeked = self._peeked, b""
+            return head + self.file.read(max(0, UPLOAD_CHUNK_BYTES - len(head)))
         return self.file.read(UPLOAD_CHUNK_BYTES)
 
     def close(self) -> None:

@@ -361,13 +361,17 @@ class Client(BaseClient):
         return self._request(b.fail_task(pool, task_id, lease_token, error, retry))
 
     # ------------------------------------------------------------------------ export / import
-    def export_pool(self, pool: str, dest: PathOrFile, progress: Progress | None = None) -> PoolExported:
-        """Stream a pool's export (NDJSON) to a path or an open binary file.
+    def export_pool(
+        self, pool: str, dest: PathOrFile, progress: Progress | None = None, *, binary: bool | None = None
+    ) -> PoolExported:
+        """Stream a pool's export to a path or an open binary file.
 
-        A path is written as `<path>.partial` and renamed once the stream is complete.
-        `progress(bytes, None)` follows the download. Only the request is retried: a stream
-        that breaks half-way raises `TransportError`."""
-        response = self._send(b.export_pool(pool), stream=True)
+        `binary` (default: the client's `binary`) asks for the binary form (`exgrpo_client.exports`:
+        payloads as raw buffers, no base64); False for NDJSON, which any JSON tool reads.
+        `import_pool` takes either. A path is written as `<path>.partial` and renamed once the
+        stream is complete. `progress(bytes, None)` follows the download. Only the request is
+        retried: a stream that breaks half-way raises `TransportError`."""
+        response = self._send(b.export_pool(pool, self.binary if binary is None else binary), stream=True)
         try:
             if not response.is_success:
                 response.read()
@@ -394,11 +398,12 @@ class Client(BaseClient):
     ) -> PoolImported:
         """Create a pool from an export (path or binary file), streamed; `name` renames it.
 
-        The service imports in one transaction. The upload is sent again only when it surely did
-        not arrive (connection refused, 429, 503) and the source can be read again."""
-        call = b.import_pool(name)
+        Either form of an export (NDJSON or binary, told apart by its first byte). The service
+        imports in one transaction. The upload is sent again only when it surely did not arrive
+        (connection refused, 429, 503) and the source can be read again."""
         source = UploadSource(src)
         try:
+            call = b.import_pool(name, source)
             attempt = 0
             while True:
                 request = self._build(self._http, call, content=_chunks(source, progress))
@@ -737,9 +742,11 @@ class AsyncClient(BaseClient):
 
     # ------------------------------------------------------------------------ export / import
     async def export_pool(
-        self, pool: str, dest: PathOrFile, progress: Progress | None = None
+        self, pool: str, dest: PathOrFile, progress: Progress | None = None, *, binary: bool | None = None
     ) -> PoolExported:
-        response = await self._send(b.export_pool(pool), stream=True)
+        response = await self._send(
+            b.export_pool(pool, self.binary if binary is None else binary), stream=True
+        )
         try:
             if not response.is_success:
                 await response.aread()
@@ -764,9 +771,9 @@ class AsyncClient(BaseClient):
     async def import_pool(
         self, src: PathOrFile, name: str | None = None, progress: Progress | None = None
     ) -> PoolImported:
-        call = b.import_pool(name)
         source = await asyncio.to_thread(UploadSource, src)
         try:
+            call = await asyncio.to_thread(b.import_pool, name, source)
             attempt = 0
             while True:
                 request = self._build(self._http, call, content=_achunks(source, progress))

@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from exgrpo_client import exports
 from exgrpo_client.schemas import (
     ExportHeader,
     ExportRecord,
@@ -241,10 +242,19 @@ def count_rows(path: StrPath) -> int:
 
 # ------------------------------------------------------------------------------- pool exports
 def read_export(path: StrPath) -> Iterator[ExportRecord]:
-    """The records of a pool export (the NDJSON `export_pool` writes), each validated as the
-    service validates an import. The first record is the `ExportHeader`."""
+    """The records of a pool export (NDJSON or the binary form, which `export_pool` writes by
+    default), each validated as the service validates an import. The first record is the
+    `ExportHeader`; trajectories carry their payloads as base64 in both forms."""
     try:
         with open(path, "rb") as f:
+            if exports.is_binary(f.read(1)):
+                f.seek(0)
+                try:
+                    yield from exports.read(f)
+                except exports.ExportFormatError as e:
+                    raise ExportFileError(path, str(e)) from e
+                return
+            f.seek(0)
             first = True
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():

@@ -23,8 +23,8 @@ from shared_data import VALID, needs
 from typer.testing import CliRunner
 
 from exgrpo_cli.main import app
-from exgrpo_client import Client, GroupResult, rollout
-from exgrpo_client.io import read_questions
+from exgrpo_client import Client, GroupResult, exports, rollout
+from exgrpo_client.io import read_export, read_questions
 
 needs_valid = needs(VALID)
 EXAMPLE_QUESTIONS = 48
@@ -256,6 +256,7 @@ def test_export_import_round_trip(cli: Any, live_server: Any, pool_name: str, tm
     assert exported == {
         "pool": pool_name,
         "path": str(file),
+        "format": "ndjson",  # by the file's name
         "num_bytes": file.stat().st_size,
         "num_questions": original["num_questions"],
         "num_trajectories": original["num_trajectories"],
@@ -273,6 +274,23 @@ def test_export_import_round_trip(cli: Any, live_server: Any, pool_name: str, tm
     people = cli("pool", "export", pool_name, str(tmp_path / "again.ndjson"), as_json=False)
     assert people.exit_code == 0 and f"export {pool_name}" in people.stderr
     assert (tmp_path / "again.ndjson").stat().st_size == file.stat().st_size
+
+    # the binary form: the default for other names, or asked for; an import tells the forms apart
+    binary = tmp_path / "pool.exgrpo"
+    assert _json(cli("pool", "export", pool_name, str(binary)))["format"] == "binary"
+    assert binary.read_bytes().startswith(exports.MAGIC) and binary.stat().st_size < file.stat().st_size
+    forced = tmp_path / "forced.ndjson"
+    assert _json(cli("pool", "export", pool_name, str(forced), "--format", "binary"))["format"] == "binary"
+    assert forced.read_bytes() == binary.read_bytes()
+    text = tmp_path / "text.bin"
+    assert _json(cli("pool", "export", pool_name, str(text), "--format", "ndjson"))["format"] == "ndjson"
+    assert text.read_bytes() == file.read_bytes()
+    assert list(read_export(binary)) == list(read_export(file))
+    from_binary = _json(cli("pool", "import", str(binary), "--name", f"{pool_name}-bin"))
+    assert {**from_binary, "pool": f"{pool_name}-copy"} == imported
+    assert _json(cli("pool", "show", f"{pool_name}-bin"))["num_trajectories"] == original["num_trajectories"]
+    bad = cli("pool", "export", pool_name, str(binary), "--format", "csv", as_json=False)
+    assert bad.exit_code == 2 and "csv" in bad.output
 
 
 # ---------------------------------------------------------------------------------------- --json

@@ -1,17 +1,23 @@
-"""Export and import of a whole pool as NDJSON: one header line, then runs, policy versions,
-questions, per-run states and trajectories (payloads as base64 packed arrays).
+"""Export and import of a whole pool: one header record, then runs, policy versions, questions,
+per-run states and trajectories. As NDJSON (the default) a record is a line and a payload base64
+packed arrays; in the binary form (`exgrpo_client.exports`, asked for with `Accept:
+application/x-msgpack`) a record is a length-prefixed msgpack map and trajectories come in frames
+whose payloads are the stored bytes.
 
-Import happens in one transaction: a broken line anywhere leaves the database unchanged.
-Epoch orders are not exported: an imported run starts a new epoch on its next batch.
+Import reads either form (told apart by the first byte) in one transaction: a broken record
+anywhere leaves the database unchanged. Epoch orders are not exported: an imported run starts a
+new epoch on its next batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
+from exgrpo_client import exports, frames
 from exgrpo_client import schemas as s
 from exgrpo_pool.domain import trajectory_key
 from exgrpo_pool.errors import BadRequest, Conflict
@@ -25,7 +31,15 @@ from exgrpo_pool.service.convert import (
     run_overrides,
 )
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import PolicyVersion, Pool, Run, is_pool_scope, pool_scope, utcnow
+from exgrpo_pool.store.models import (
+    PolicyVersion,
+    Pool,
+    Run,
+    Trajectory,
+    is_pool_scope,
+    pool_scope,
+    utcnow,
+)
 
 _PAGE = 2000
 #: The pool's shared scope in an export (in the database it is `pool_scope(pool id)`).
@@ -36,79 +50,138 @@ def _exported_scope(scope: int) -> int:
     return SHARED_SCOPE if is_pool_scope(scope) else scope
 
 
-async def export_pool(ctx: Context, pool: Pool) -> AsyncIterator[bytes]:
-    async with ctx.db.read() as session:
-        nq, nt, nr = await repo.pool_counts(session, pool.id)
-        yield s.export_line(
-            s.ExportHeader(
-                pool=s.PoolCreate(name=pool.name, config=pool_config(pool), description=pool.description),
-                num_questions=nq,
-                num_trajectories=nt,
-                num_runs=nr,
+async def export_pool(ctx: Context, pool: Pool, binary: bool = False) -> AsyncIterator[bytes]:
+    """The export as NDJSON, or in its binary form (`exgrpo_client.exports`): the same records,
+    trajectories in frames with their stored payload bytes as they are."""
+    records = 0  # of the binary form, counted by its end record
+    if binary:
+        yield exports.MAGIC
+    async for item in _export_items(ctx, pool):
+        if isinstance(item, _Stored):
+            if binary:
+                for frame in _binary_trajectories(item.rows):
+                    records += 1
+                    yield frame
+            else:
+                yield _ndjson_trajectories(item.rows)
+            continue
+        models = item if isinstance(item, list) else [item]
+        if models:
+            records += len(models)
+            yield b"".join(map(exports.model_record if binary else s.export_line, models))
+    if binary:
+        yield exports.end_record(records)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """A page of stored trajectories to export."""
+
+    rows: list[Trajectory]
+
+
+def _trajectory_fields(t: Trajectory) -> dict[str, Any]:
+    """A stored trajectory's export record, less its type and payload."""
+    return {
+        "question": t.question_id,
+        "scope": _exported_scope(t.scope),
+        "source_run": t.source_run_id,
+        "policy_version": t.policy_version,
+        "step": t.step,
+        "reward": t.reward,
+        "entropy": t.entropy,
+        "text": t.text,
+    }
+
+
+def _ndjson_trajectories(rows: list[Trajectory]) -> bytes:
+    return b"".join(
+        s.export_line(
+            s.ExportTrajectory(
+                **_trajectory_fields(t),
+                token_ids_b64=s.encode_b64(t.token_ids),
+                logprobs_b64=s.encode_b64(t.logprobs),
             )
         )
+        for t in rows
+    )
+
+
+def _binary_trajectories(rows: list[Trajectory]) -> list[bytes]:
+    """Frames of trajectories, each closed at about `exports.FRAME_BYTES` of payload and text."""
+    out = []
+    entries: list[dict[str, Any]] = []
+    payloads: list[tuple[bytes, bytes]] = []
+    size = 0
+    for t in rows:
+        entries.append(_trajectory_fields(t))
+        payloads.append((t.token_ids, t.logprobs))
+        size += len(t.token_ids) + len(t.logprobs) + len(t.text or "")
+        if size >= exports.FRAME_BYTES:
+            out.append(exports.trajectory_frame(entries, payloads))
+            entries, payloads, size = [], [], 0
+    if entries:
+        out.append(exports.trajectory_frame(entries, payloads))
+    return out
+
+
+async def _export_items(ctx: Context, pool: Pool) -> AsyncIterator[s.ExportRecord | list[Any] | _Stored]:
+    """What an export holds, in its order: records one by one or by the page, and pages of
+    stored trajectories."""
+    async with ctx.db.read() as session:
+        nq, nt, nr = await repo.pool_counts(session, pool.id)
+        yield s.ExportHeader(
+            pool=s.PoolCreate(name=pool.name, config=pool_config(pool), description=pool.description),
+            num_questions=nq,
+            num_trajectories=nt,
+            num_runs=nr,
+        )
         for r in await repo.list_runs(session, pool.id):
-            yield s.export_line(
-                s.ExportRun(
-                    id=r.id,
-                    name=r.name,
-                    seed=r.seed,
-                    phase=r.phase,
-                    switched_at_step=r.switched_at_step,
-                    step=r.step,
-                    policy_version=r.policy_version,
-                    overrides=run_overrides(r),
-                )
+            yield s.ExportRun(
+                id=r.id,
+                name=r.name,
+                seed=r.seed,
+                phase=r.phase,
+                switched_at_step=r.switched_at_step,
+                step=r.step,
+                policy_version=r.policy_version,
+                overrides=run_overrides(r),
             )
-            for pv in await repo.policy_versions(session, r.id):
-                yield s.export_line(
-                    s.ExportPolicyVersion(run=r.id, version=pv.version, uri=pv.uri, step=pv.step)
-                )
+            yield [
+                s.ExportPolicyVersion(run=r.id, version=pv.version, uri=pv.uri, step=pv.step)
+                for pv in await repo.policy_versions(session, r.id)
+            ]
         after = 0
         while qs := await repo.list_questions(session, pool.id, after, _PAGE):
-            for q in qs:
-                yield s.export_line(
-                    s.ExportQuestion(
-                        id=q.id,
-                        prompt=messages(q.prompt),
-                        ground_truth=q.ground_truth,
-                        data_source=q.data_source,
-                        external_id=q.external_id,
-                        metadata=q.meta,
-                    )
+            yield [
+                s.ExportQuestion(
+                    id=q.id,
+                    prompt=messages(q.prompt),
+                    ground_truth=q.ground_truth,
+                    data_source=q.data_source,
+                    external_id=q.external_id,
+                    metadata=q.meta,
                 )
+                for q in qs
+            ]
             after = qs[-1].id
         key = (pool_scope(pool.id) - 1, 0)
         while states := await repo.pool_states(session, pool.id, key, _PAGE):
-            for st in states:
-                yield s.export_line(
-                    s.ExportState(
-                        scope=_exported_scope(st.scope),
-                        question=st.question_id,
-                        last_k=st.last_k,
-                        bucket=st.bucket,
-                        retired=st.retired,
-                        last_step=st.last_step,
-                    )
+            yield [
+                s.ExportState(
+                    scope=_exported_scope(st.scope),
+                    question=st.question_id,
+                    last_k=st.last_k,
+                    bucket=st.bucket,
+                    retired=st.retired,
+                    last_step=st.last_step,
                 )
+                for st in states
+            ]
             key = (states[-1].scope, states[-1].question_id)
         after = 0
         while ts := await repo.pool_trajectories(session, pool.id, after, _PAGE // 4):
-            for t in ts:
-                yield s.export_line(
-                    s.ExportTrajectory(
-                        question=t.question_id,
-                        scope=_exported_scope(t.scope),
-                        source_run=t.source_run_id,
-                        policy_version=t.policy_version,
-                        step=t.step,
-                        token_ids_b64=s.encode_b64(t.token_ids),
-                        logprobs_b64=s.encode_b64(t.logprobs),
-                        reward=t.reward,
-                        entropy=t.entropy,
-                        text=t.text,
-                    )
-                )
+            yield _Stored(ts)
             after = ts[-1].id
 
 
@@ -120,6 +193,10 @@ class _Importer:
         self.runs: dict[int, int] = {}
         self.questions: dict[int, int] = {}
         self.pending_q: list[tuple[int, dict[str, Any]]] = []
+        self.pending_t: list[dict[str, Any]] = []
+        # states by (scope, question): two exported questions of one content are one question here
+        self.pending_s: dict[tuple[int, int], dict[str, Any]] = {}
+        self._config: s.PoolConfig | None = None
         # what must be unique in an export (the database's own constraints would answer a 500)
         self.run_names: set[str] = set()
         self.versions: set[tuple[int, int]] = set()
@@ -129,8 +206,14 @@ class _Importer:
     @property
     def pool(self) -> Pool:
         if self.created is None:
-            raise BadRequest("the first line of an import must be the export header")
+            raise BadRequest("the first line or record of an import must be the export header")
         return self.created
+
+    @property
+    def config(self) -> s.PoolConfig:
+        if self._config is None:
+            self._config = pool_config(self.pool)
+        return self._config
 
     async def record(self, rec: s.ExportRecord) -> None:
         if isinstance(rec, s.ExportHeader):
@@ -198,7 +281,7 @@ class _Importer:
         return pool_scope(self.pool.id) if exported == SHARED_SCOPE else self._run_id(exported)
 
     def _trajectory_scope(self, t: s.ExportTrajectory, source_run: int | None) -> int:
-        sharing = pool_config(self.pool).sharing
+        sharing = self.config.sharing
         if t.scope is not None:
             if t.scope != SHARED_SCOPE and sharing != "per_run":
                 raise BadRequest(
@@ -252,7 +335,7 @@ class _Importer:
 
     def _check_state(self, st: s.ExportState) -> None:
         """What the service itself keeps true of a question's state (plans rely on it)."""
-        config = pool_config(self.pool)
+        config = self.config
         k = config.k
         if st.last_k > k:
             raise BadRequest(f"state: last_k {st.last_k} is more than the pool's K = {k}")
@@ -268,57 +351,90 @@ class _Importer:
     async def state(self, st: s.ExportState) -> None:
         self._check_state(st)
         await self.flush_questions()
-        kind = "retire" if st.retired else ("collect" if st.bucket else "ignore")
-        await repo.upsert_states(
-            self.session,
-            kind,
-            [
-                {
-                    "scope": self._scope(st.scope),
-                    "question_id": self._question_id(st.question),
-                    "pool_id": self.pool.id,
-                    "last_k": st.last_k,
-                    "bucket": st.bucket,
-                    "retired": st.retired,
-                    "last_step": st.last_step,
-                    "last_run_id": None,
-                    "updated_at": utcnow(),
-                }
-            ],
-        )
+        key = (self._scope(st.scope), self._question_id(st.question))
+        row = {
+            "scope": key[0],
+            "question_id": key[1],
+            "pool_id": self.pool.id,
+            "last_k": st.last_k,
+            "bucket": st.bucket,
+            "retired": st.retired,
+            "last_step": st.last_step,
+            "last_run_id": None,
+            "updated_at": utcnow(),
+        }
+        if key in self.pending_s:  # one statement upserts a row once: the earlier one goes first
+            await self.flush_states()
+        self.pending_s[key] = row
         self.counts["states"] += 1
+        if len(self.pending_s) >= 1000:
+            await self.flush_states()
+
+    async def flush_states(self) -> None:
+        """The pending states in one statement (a retired question stays retired, as in a commit)."""
+        if self.pending_s:
+            await repo.upsert_decided_states(self.session, list(self.pending_s.values()))
+            self.pending_s = {}
 
     async def trajectory(self, t: s.ExportTrajectory) -> None:
+        """A trajectory of an NDJSON import (payloads as base64), inserted with the next ones."""
         await self.flush_questions()
         payload = s.Payload(token_ids_b64=t.token_ids_b64, logprobs_b64=t.logprobs_b64)
         decoded = decode_payload(payload, "trajectory")  # the rules of a trajectory sent to the API
         if decoded is None:  # pragma: no cover - both arrays are given
             raise BadRequest("trajectory: no payload")
         ids, lps = decoded
+        self.pending_t.append(self._trajectory_row(t, ids.tobytes(), lps.tobytes()))
+        if len(self.pending_t) >= _PAGE // 4:
+            await self.flush_trajectories()
+
+    async def trajectory_frame(self, frame: exports.TrajectoryFrame) -> None:
+        """A frame of trajectories of a binary import: its payloads, checked with the frame, are
+        stored as they came."""
+        await self.flush_questions()
+        chunks = frame.payloads.chunks()
+        for i, (t, packed) in enumerate(zip(frame.trajectories, chunks, strict=True)):
+            assert packed is not None  # a frame of an export has a payload in every slot
+            try:
+                self.pending_t.append(self._trajectory_row(t, *packed))
+            except BadRequest as e:
+                raise BadRequest(f"trajectories[{i}]: {e.detail}") from e
+        await self.flush_trajectories()
+
+    def _trajectory_row(self, t: s.ExportTrajectory, ids: bytes, lps: bytes) -> dict[str, Any]:
         source_run = None if t.source_run is None else self.runs.get(t.source_run)
-        n = await repo.insert_trajectories(
-            self.session,
-            [
-                {
-                    "question_id": self._question_id(t.question),
-                    "pool_id": self.pool.id,
-                    "scope": self._trajectory_scope(t, source_run),
-                    "source_run_id": source_run,
-                    "policy_version": t.policy_version,
-                    "step": t.step,
-                    "token_ids": ids.tobytes(),
-                    "logprobs": lps.tobytes(),
-                    "num_tokens": int(ids.size),
-                    "reward": t.reward,
-                    "entropy": t.entropy,
-                    "dedup_key": trajectory_key(ids),
-                    "text": t.text,
-                    "created_at": utcnow(),
-                }
-            ],
-        )
+        return {
+            "question_id": self._question_id(t.question),
+            "pool_id": self.pool.id,
+            "scope": self._trajectory_scope(t, source_run),
+            "source_run_id": source_run,
+            "policy_version": t.policy_version,
+            "step": t.step,
+            "token_ids": ids,
+            "logprobs": lps,
+            "num_tokens": len(ids) // s.ID_DTYPE.itemsize,
+            "reward": t.reward,
+            "entropy": t.entropy,
+            "dedup_key": trajectory_key(ids),
+            "text": t.text,
+            "created_at": utcnow(),
+        }
+
+    async def flush_trajectories(self) -> None:
+        if not self.pending_t:
+            return
+        n = await repo.insert_trajectories(self.session, self.pending_t)
         self.counts["trajectories"] += n
-        self.counts["duplicates"] += 1 - n
+        self.counts["duplicates"] += len(self.pending_t) - n
+        self.pending_t = []
+
+    async def finish(self) -> s.PoolImported:
+        if self.created is None:
+            raise BadRequest("empty import: expected an export header record")
+        await self.flush_questions()
+        await self.flush_states()
+        await self.flush_trajectories()
+        return s.PoolImported(pool=self.pool.name, **self.counts)
 
 
 async def split_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -333,25 +449,79 @@ async def split_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield rest
 
 
-async def import_pool(ctx: Context, chunks: AsyncIterator[bytes], name: str | None) -> s.PoolImported:
-    lines = split_lines(chunks)
+async def import_pool(
+    ctx: Context, chunks: AsyncIterator[bytes], name: str | None, content_type: str | None = None
+) -> s.PoolImported:
+    """Create a pool from an export, NDJSON or binary (by its first byte; `Content-Type:
+    application/x-msgpack` says it is binary)."""
+    stream = aiter(chunks)
+    head = b""
+    async for chunk in stream:
+        head += chunk
+        if head:
+            break
+    binary = exports.is_binary(head)
+    if frames.wants_frame(content_type) and not binary:
+        raise BadRequest(
+            f"the body is sent as {exports.MEDIA_TYPE} but is no binary pool export: it does not "
+            f"begin with {exports.MAGIC!r}"
+        )
+    rest = _prepend(head, stream)
     async with ctx.db.write() as session:
         imp = _Importer(session, name)
-        lineno = 0
-        async for raw in lines:
-            lineno += 1
-            if not raw.strip():
-                continue
-            try:
-                await imp.record(s.parse_export_record(raw))
-            except ValidationError as e:
-                raise BadRequest(f"import line {lineno}: {s.validation_summary(e)}") from e
-            except BadRequest as e:
-                raise BadRequest(f"import line {lineno}: {e.detail}") from e
-            except ValueError as e:  # a payload that is not base64 packed arrays
-                raise BadRequest(f"import line {lineno}: {e}") from e
-        if imp.created is None:
-            raise BadRequest("empty import: expected an export header line")
-        await imp.flush_questions()
-        pool_name = imp.pool.name
-    return s.PoolImported(pool=pool_name, **imp.counts)
+        await (_read_binary(imp, rest) if binary else _read_ndjson(imp, rest))
+        return await imp.finish()
+
+
+async def _prepend(head: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if head:
+        yield head
+    async for chunk in rest:
+        yield chunk
+
+
+async def _read_ndjson(imp: _Importer, chunks: AsyncIterator[bytes]) -> None:
+    lineno = 0
+    async for raw in split_lines(chunks):
+        lineno += 1
+        if not raw.strip():
+            continue
+        try:
+            await imp.record(s.parse_export_record(raw))
+        except ValidationError as e:
+            raise BadRequest(f"import line {lineno}: {s.validation_summary(e)}") from e
+        except BadRequest as e:
+            raise BadRequest(f"import line {lineno}: {e.detail}") from e
+        except ValueError as e:  # a payload that is not base64 packed arrays
+            raise BadRequest(f"import line {lineno}: {e}") from e
+
+
+async def _read_binary(imp: _Importer, chunks: AsyncIterator[bytes]) -> None:
+    reader = exports.Reader()
+    ended = False
+    try:
+        async for chunk in chunks:
+            for raw in reader.feed(chunk):
+                n = reader.records
+                try:
+                    if ended:
+                        raise BadRequest("a record after the end record")
+                    item = exports.parse(raw)
+                    if isinstance(item, exports.End):
+                        exports.check_end(item, n)
+                        ended = True
+                    elif isinstance(item, exports.TrajectoryFrame):
+                        await imp.trajectory_frame(item)
+                    else:
+                        await imp.record(item)
+                except ValidationError as e:
+                    raise BadRequest(f"import record {n}: {s.validation_summary(e)}") from e
+                except BadRequest as e:
+                    raise BadRequest(f"import record {n}: {e.detail}") from e
+                except ValueError as e:  # ExportFormatError: not a record
+                    raise BadRequest(f"import record {n}: {e}") from e
+        reader.close()
+    except exports.ExportFormatError as e:  # the stream itself: its magic, a length, its end
+        raise BadRequest(f"import: {e}") from e
+    if not ended:
+        raise BadRequest(f"import: {exports.cut_off(reader.records)}")

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
+from exgrpo_client import frames
 from exgrpo_client import schemas as s
 from exgrpo_pool.api.deps import (
     Admin,
@@ -49,7 +50,7 @@ async def import_pool(
         str | None, Query(pattern=s.NAME_PATTERN, description="Import under this name instead.")
     ] = None,
 ) -> s.PoolImported:
-    return await transfer.import_pool(ctx, request.stream(), name)
+    return await transfer.import_pool(ctx, request.stream(), name, request.headers.get("content-type"))
 
 
 @router.get("/{pool}", response_model=s.PoolPublic)
@@ -104,11 +105,15 @@ async def question_detail(
 
 
 @router.get("/{pool}/export", response_class=StreamingResponse)
-async def export_pool(pool: ReadPool, ctx: ContextDep) -> StreamingResponse:
+async def export_pool(request: Request, pool: ReadPool, ctx: ContextDep) -> StreamingResponse:
+    """NDJSON, or the binary form when `Accept` names application/x-msgpack (docs/api.md)."""
+    binary = frames.wants_frame(request.headers.get("accept"))
     return StreamingResponse(
-        transfer.export_pool(ctx, pool),
-        media_type="application/x-ndjson",
-        headers={"Content-Disposition": f'attachment; filename="{pool.name}.ndjson"'},
+        transfer.export_pool(ctx, pool, binary=binary),
+        media_type=frames.MEDIA_TYPE if binary else "application/x-ndjson",
+        headers={
+            "Content-Disposition": f'attachment; filename="{pool.name}.{"exgrpo" if binary else "ndjson"}"'
+        },
     )
 
 
