@@ -10,12 +10,10 @@ base64 of little-endian packed arrays (int32 ids, float32 log-probs), which is w
 from __future__ import annotations
 
 import base64
-import functools
 import math
-import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Annotated, Any, Literal, Union, cast, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -24,13 +22,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
+    ModelWrapValidatorHandler,
     StringConstraints,
     TypeAdapter,
     ValidationError,
     WithJsonSchema,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, SchemaValidator, from_json
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
@@ -71,6 +70,8 @@ def _no_nul(value: str) -> str:
 
 #: Every string field of a request: any text but NUL.
 Text = Annotated[str, AfterValidator(_no_nul), Field(json_schema_extra={"pattern": NO_NUL_PATTERN})]
+#: `Text` whose NUL rule the model that holds it checks (a rollout's text: `_rollout_rules`).
+BulkText = Annotated[str, Field(json_schema_extra={"pattern": NO_NUL_PATTERN})]
 
 
 def _json_problem(value: Any) -> str | None:
@@ -124,66 +125,158 @@ JsonObject = Annotated[
 ]
 
 
-# ------------------------------------------------------------------------------------ integers
-def _int_shape(annotation: Any) -> str | None:
-    """'int' for a field typed int (or int | None), 'list' for list[int], else None."""
-    if get_origin(annotation) in (Union, types.UnionType):
-        args = [a for a in get_args(annotation) if a is not type(None)]
-        if len(args) != 1:
-            return None
-        annotation = args[0]
-    if get_origin(annotation) is Annotated:
-        annotation = get_args(annotation)[0]
-    if annotation is int:
-        return "int"
-    if get_origin(annotation) is list:
-        (item,) = get_args(annotation)
-        return "list" if _int_shape(item) == "int" else None
-    return None
-
-
-def _integral(value: Any) -> Any:
-    return int(value) if type(value) is float and value.is_integer() else value
-
-
+# ------------------------------------------------------------------- integers and cross-field rules
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False)
 
 
-class Incoming(Strict):
-    """A model of what clients send (request bodies, export records). JSON Schema counts 3.0 as an
-    integer, so its integer fields take 3.0 as 3 (never 3.5, "3" or true): a body the published
-    schema allows is not refused for it. (Answers stay plain `Strict`: a model validator makes
-    pydantic check the model's fields as Python values, which a datetime field in strict mode
-    refuses when it comes as JSON text.)"""
+M = TypeVar("M", bound="Checked")
+Loc = tuple[str | int, ...]
+#: A rule a validated model breaks: where (relative to the model), the message, the value there.
+Broken = tuple[Loc, str, Any]
 
-    @classmethod
-    @functools.cache
-    def _int_fields(cls) -> dict[str, str]:
-        return {
-            name: shape
-            for name, field in cls.model_fields.items()
-            if (shape := _int_shape(field.annotation)) is not None
-        }
 
-    @model_validator(mode="before")
-    @classmethod
-    def _integral_floats(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        fields = cls._int_fields()
-        changed: dict[str, Any] | None = None
-        for name in fields.keys() & data.keys():
-            value = data[name]
-            if type(value) is float and value.is_integer():
-                new: Any = int(value)
-            elif fields[name] == "list" and isinstance(value, list) and any(type(v) is float for v in value):
-                new = [_integral(v) for v in value]
+def _integral_locs(error: ValidationError) -> list[Loc]:
+    """Where `error` refuses an integral float (3.0) as an integer: strict mode takes no float for
+    an int, while JSON Schema counts 3.0 as an integer."""
+    return [
+        e["loc"]
+        for e in error.errors(include_url=False, include_context=False)
+        if e["type"] == "int_type" and type(e["input"]) is float and e["input"].is_integer()
+    ]
+
+
+def _with_ints(data: Any, locs: list[Loc]) -> Any:
+    """`data` with the integral float at each of `locs` made an int, and, where one is in a list
+    (of integers: token ids), every integral float of that list: such a list stops at its first
+    error (`fail_fast`), so one error stands for all of them. The dicts and lists on the way are
+    copied (the caller's data is left as it was); a place `data` does not hold is skipped."""
+    root = [data]
+    copies: set[int] = set()  # ids of the containers copied already
+    lists: set[int] = set()  # ids of the lists whose floats are made ints already
+    for loc in locs:
+        parent: Any = root
+        key: str | int = 0
+        for step in loc:
+            node = parent[key]
+            if isinstance(node, dict) and isinstance(step, str) and step in node:
+                copy: Any = dict(node) if id(node) not in copies else node
+            elif isinstance(node, list) and type(step) is int and 0 <= step < len(node):
+                copy = list(node) if id(node) not in copies else node
             else:
-                continue
-            changed = dict(data) if changed is None else changed
-            changed[name] = new
-        return data if changed is None else changed
+                break
+            copies.add(id(copy))
+            parent[key] = copy
+            parent, key = copy, step
+        else:
+            if isinstance(parent, list) and isinstance(key, int):
+                if id(parent) not in lists:  # from its first error on (the ids before it are ints)
+                    lists.add(id(parent))
+                    rest = parent[key:]
+                    parent[key:] = [int(v) if type(v) is float and v.is_integer() else v for v in rest]
+            elif type(parent[key]) is float and parent[key].is_integer():
+                parent[key] = int(parent[key])
+    return root[0]
+
+
+def _validated(validate: Callable[[Any], M], data: Any) -> M:
+    """`validate(data)` (pydantic-core's compiled validation) taking integral floats as integers,
+    then the rules of the validated model checked (`_with_rules_kept`)."""
+    try:
+        model = validate(data)
+    except ValidationError as e:
+        locs = _integral_locs(e)
+        if not locs:
+            raise
+        # again without the integral floats, so the errors left are what a body with ints gets
+        model = validate(_with_ints(data, locs))
+    return _with_rules_kept(model)
+
+
+def _with_rules_kept(model: M) -> M:
+    """`model`, unless it breaks a rule of `Checked._broken_rules`: then a `ValidationError` of
+    `value_error`s, each at the place that breaks one, as a validator there would refuse it."""
+    broken = model._broken_rules()
+    if broken:
+        raise ValidationError.from_exception_data(
+            type(model).__name__,
+            [
+                InitErrorDetails(type="value_error", loc=loc, input=value, ctx={"error": ValueError(msg)})
+                for loc, msg, value in broken
+            ],
+        )
+    return model
+
+
+class Checked(Strict):
+    """A model of what clients send (request bodies, export records) and what it holds.
+
+    JSON Schema counts 3.0 as an integer, so its integer fields take 3.0 as 3 (never 3.5, "3" or
+    true): a body the published schema allows is not refused for it. pydantic-core validates the
+    body strictly; only when it refuses an integral float as an integer is the body validated once
+    more with those floats made ints, so a body of ints pays nothing for the rule.
+
+    Rules that span fields, and those whose message pydantic-core cannot give, are checked in
+    Python once the fields are valid (`_broken_rules`), by the request over everything it holds
+    (all its rollouts in one pass), not model by model."""
+
+    def _broken_rules(self) -> list[Broken]:
+        """The rules this validated model (and what it holds) breaks; none by default."""
+        return []
+
+
+class Incoming(Checked):
+    """A request body or an export record: validated as `Checked` says, by one validator of the
+    whole model. (Answers stay plain `Strict`: a model validator makes pydantic check the model's
+    fields as Python values, which a datetime field in strict mode refuses when it comes as JSON
+    text.)"""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _checked(cls, data: Any, handler: ModelWrapValidatorHandler[Incoming]) -> Incoming:
+        return _validated(handler, data)
+
+
+class _SelfChecking:
+    """The validator of a `Bulk` model validated on its own (constructed, `model_validate`,
+    `TypeAdapter`): the model's compiled one, then what `Incoming` adds (integral floats, rules)."""
+
+    def __init__(self, compiled: SchemaValidator) -> None:
+        self._compiled = compiled
+
+    def validate_python(self, input: Any, **kwargs: Any) -> Any:
+        return _validated(lambda data: self._compiled.validate_python(data, **kwargs), input)
+
+    def validate_json(self, input: str | bytes | bytearray, **kwargs: Any) -> Any:
+        try:
+            model = self._compiled.validate_json(input, **kwargs)
+        except ValidationError as e:
+            if not _integral_locs(e):
+                raise
+            return self.validate_python(from_json(input), **kwargs)
+        return _with_rules_kept(model)
+
+    def validate_strings(self, input: Any, **kwargs: Any) -> Any:
+        return _validated(lambda data: self._compiled.validate_strings(data, **kwargs), input)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compiled, name)
+
+
+class Bulk(Checked):
+    """A part of a request that comes by the thousand (rollouts, groups): the request that holds
+    it validates it with no Python validator of its own, and checks the rules of all its parts
+    at once (`Incoming`). Validated on its own, it checks itself just the same."""
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        if not cls.__pydantic_complete__:
+            raise TypeError(f"{cls.__name__}: a Bulk model needs its annotations defined before it")
+        # its own entry points only: a model that holds it uses its core schema, which stays
+        # pure pydantic-core
+        compiled = cast(SchemaValidator, cls.__pydantic_validator__)
+        cls.__pydantic_validator__ = cast(SchemaValidator, _SelfChecking(compiled))
 
 
 def validation_summary(e: ValidationError, limit: int = 3) -> str:
@@ -367,75 +460,129 @@ class QuestionsPublic(Strict):
 
 
 # --------------------------------------------------------------------------------- trajectories
-class Payload(Incoming):
+class _PackedBytes:
+    """`_packed`: a payload as packed bytes (little-endian int32 ids, float32 log-probs), beside
+    the model's fields. It lives in the model's private values (`__pydantic_private__`, which
+    copies and pickles keep) but is no pydantic private attribute: pydantic initialises those with
+    a Python call for every model it validates, thousands a request."""
+
+    __slots__ = ()
+
+    @property
+    def _packed(self) -> tuple[bytes, bytes] | None:
+        private: dict[str, Any] | None = getattr(self, "__pydantic_private__", None)
+        return None if private is None else private.get("_packed")
+
+    @_packed.setter
+    def _packed(self, value: tuple[bytes, bytes] | None) -> None:
+        private: dict[str, Any] | None = getattr(self, "__pydantic_private__", None)
+        if private is not None:
+            private["_packed"] = value
+        elif value is not None:
+            object.__setattr__(self, "__pydantic_private__", {"_packed": value})
+
+
+class Payload(Bulk):
     """Token ids and per-token log-probs of one response, as lists or base64 packed arrays."""
 
-    token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
+    # an error names the first token id that is wrong, not each: 65,536 of them would be 65,536
+    # errors (and 3.0 for 3 costs one error a list to take as an integer: `_with_ints`)
+    token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY, fail_fast=True)
     token_ids_b64: str | None = Field(None, description="base64 of little-endian int32 ids")
     logprobs: list[FiniteFloat] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
     logprobs_b64: str | None = Field(None, description="base64 of little-endian float32 log-probs")
 
-    @model_validator(mode="after")
-    def _one_of_each(self) -> Payload:
+    def _broken_rules(self) -> list[Broken]:
         if (self.token_ids is None) == (self.token_ids_b64 is None):
-            raise ValueError("give exactly one of token_ids or token_ids_b64")
+            return [((), "give exactly one of token_ids or token_ids_b64", self)]
         if (self.logprobs is None) == (self.logprobs_b64 is None):
-            raise ValueError("give exactly one of logprobs or logprobs_b64")
-        return self
+            return [((), "give exactly one of logprobs or logprobs_b64", self)]
+        return []
 
 
-def _binary_reward(value: float) -> float:
-    if value not in (0.0, 1.0):
-        raise ValueError(
-            f"reward must be 0 or 1 (1 = correct: the pool counts correct rollouts), got {value}; map "
-            "a grader's other scores to 0 or 1 before sending them"
-        )
-    return value
+#: A rollout's reward: 1 correct, 0 not (spec section 7). Other values are refused (by the
+#: request, with the other rules of its rollouts: `_rollout_rules`).
+Reward = Annotated[FiniteFloat, Field(json_schema_extra={"enum": [0, 1]})]
 
 
-#: A rollout's reward: 1 correct, 0 not (spec section 7). Other values are refused.
-Reward = Annotated[FiniteFloat, AfterValidator(_binary_reward), Field(json_schema_extra={"enum": [0, 1]})]
+def _reward_message(value: float) -> str:
+    return (
+        f"reward must be 0 or 1 (1 = correct: the pool counts correct rollouts), got {value}; map "
+        "a grader's other scores to 0 or 1 before sending them"
+    )
 
 
-class RolloutResult(Payload):
+class RolloutResult(Payload, _PackedBytes):
     """One graded rollout of a group. Payload fields are required for correct rollouts only."""
 
-    token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
+    token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY, fail_fast=True)
     logprobs: list[FiniteFloat] | None = Field(None, max_length=MAX_TOKENS_PER_TRAJECTORY)
     reward: Reward
     entropy: FiniteFloat | None = Field(None, ge=0, description="Mean token entropy of the response.")
     replayed: bool = Field(False, description="This row is the replayed stored trajectory.")
     finish_reason: Literal["stop", "length", "abort"] | None = None
-    text: Text | None = Field(
+    text: BulkText | None = Field(
         None,
         max_length=MAX_TEXT_CHARS,
         description="The response as text (its tokens decoded), stored with a collected trajectory so "
         "people can read it.",
     )
-    #: the payload as packed bytes (little-endian int32 ids, float32 log-probs) when it came in a
-    #: binary frame or was built by `exgrpo_client.rollout`: never on the JSON wire, where the
-    #: fields above carry it
-    _packed: tuple[bytes, bytes] | None = PrivateAttr(None)
+    # `_packed` (from `_PackedBytes`): the payload as packed bytes when it came in a binary frame
+    # or was built by `exgrpo_client.rollout`; never on the JSON wire, where the fields above carry it
 
-    @model_validator(mode="after")
-    def _one_of_each(self) -> RolloutResult:
-        for a, b in (("token_ids", "token_ids_b64"), ("logprobs", "logprobs_b64")):
-            if getattr(self, a) is not None and getattr(self, b) is not None:
-                raise ValueError(f"give {a} or {b}, not both")
-        has_ids = self.token_ids is not None or self.token_ids_b64 is not None
-        has_lp = self.logprobs is not None or self.logprobs_b64 is not None
-        if has_ids != has_lp:
-            raise ValueError("token ids and log-probs come together: give both or neither")
-        return self
+    def _broken_rules(self) -> list[Broken]:
+        return _rollout_rules(self, ())
 
 
-class GroupResult(Incoming):
+def _rollout_rules(r: RolloutResult, at: Loc) -> list[Broken]:
+    """The rules of one validated rollout, at `at`: its reward and text (as field validators would
+    refuse them), then (as a model validator would, once those hold) how its payload is given."""
+    reward, text = r.reward, r.text
+    broken: list[Broken] = []
+    if reward != 0.0 and reward != 1.0:
+        broken.append(((*at, "reward"), _reward_message(reward), reward))
+    if text is not None and "\x00" in text:
+        broken.append(((*at, "text"), NUL_MESSAGE, text))
+    if broken:
+        return broken
+    ids, ids_b64, lps, lps_b64 = r.token_ids, r.token_ids_b64, r.logprobs, r.logprobs_b64
+    if ids is not None and ids_b64 is not None:
+        return [(at, "give token_ids or token_ids_b64, not both", r)]
+    if lps is not None and lps_b64 is not None:
+        return [(at, "give logprobs or logprobs_b64, not both", r)]
+    if (ids is None and ids_b64 is None) != (lps is None and lps_b64 is None):
+        return [(at, "token ids and log-probs come together: give both or neither", r)]
+    return []
+
+
+def _rollouts_rules(rollouts: Sequence[RolloutResult], at: Loc) -> list[Broken]:
+    """The rules of many rollouts, in one pass: `at` + (index,) names each one that breaks one."""
+    broken: list[Broken] = []
+    for j, r in enumerate(rollouts):
+        found = _rollout_rules(r, ())
+        if found:
+            broken += [((*at, j, *loc), msg, value) for loc, msg, value in found]
+    return broken
+
+
+class GroupResult(Bulk):
     question_id: RowId
     rollouts: list[RolloutResult] = Field(min_length=1, max_length=1024)
     replay_trajectory_id: RowId | None = Field(None, description="Stored trajectory used as row 0.")
 
+    def _broken_rules(self) -> list[Broken]:
+        return _rollouts_rules(self.rollouts, ("rollouts",))
 
-class TrajectoryPublic(Strict):
+
+def _groups_rules(groups: Sequence[GroupResult]) -> list[Broken]:
+    """The rules of every rollout of a request's groups, named `groups.i.rollouts.j`."""
+    broken: list[Broken] = []
+    for i, g in enumerate(groups):
+        broken += _rollouts_rules(g.rollouts, ("groups", i, "rollouts"))
+    return broken
+
+
+class TrajectoryPublic(Strict, _PackedBytes):
     id: int
     question_id: int
     source_run: str | None
@@ -448,9 +595,8 @@ class TrajectoryPublic(Strict):
     token_ids_b64: str | None = None
     logprobs_b64: str | None = None
     text: str | None = Field(None, description="The response as text, where its producer sent it.")
-    #: the payload as packed bytes (little-endian int32 ids, float32 log-probs), as stored, when
-    #: it comes in a binary frame (`exgrpo_client.decode_trajectory` reads either form)
-    _packed: tuple[bytes, bytes] | None = PrivateAttr(None)
+    # `_packed` (from `_PackedBytes`): the payload as packed bytes, as stored, when it comes in a
+    # binary frame (`exgrpo_client.decode_trajectory` reads either form)
 
 
 # ----------------------------------------------------------------------------------------- runs
@@ -621,6 +767,9 @@ class BatchCommit(Incoming):
         False, description="Answer with the run's stats after this commit (`CommitResult.stats`)."
     )
 
+    def _broken_rules(self) -> list[Broken]:
+        return _groups_rules(self.groups)
+
 
 class CommitResult(Strict):
     batch_id: str | None
@@ -671,6 +820,9 @@ class IngestRequest(Incoming):
         "start). Without it ingest follows the run's phase like a commit: retirement always, "
         "collection in the mixed phase only.",
     )
+
+    def _broken_rules(self) -> list[Broken]:
+        return _groups_rules(self.groups)
 
 
 class SelectRequest(Incoming):
@@ -748,6 +900,9 @@ class TaskComplete(Incoming):
         "name one (an exact task refuses any other, an asynchronous one any older than allowed).",
     )
 
+    def _broken_rules(self) -> list[Broken]:
+        return _rollouts_rules(self.rollouts, ("rollouts",))
+
 
 class TaskFail(Incoming):
     lease_token: Text
@@ -767,10 +922,15 @@ class TaskGroupResult(GroupResult):
     )
 
 
-class BatchResults(Strict):
+# An answer, but what workers sent: its rollouts are checked as a commit checks them (it has no
+# datetime field, see `Incoming`).
+class BatchResults(Incoming):
     batch_id: str
     complete: bool
     groups: list[TaskGroupResult]
+
+    def _broken_rules(self) -> list[Broken]:
+        return _groups_rules(self.groups)
 
 
 # ---------------------------------------------------------------------------------------- stats
