@@ -122,6 +122,28 @@ async def test_a_frame_commit_sent_again_with_its_key_answers_the_first_answer(
     assert r.status_code == 409, r.text
 
 
+async def test_a_commit_sent_again_in_the_other_encoding_is_the_same_commit(
+    client: httpx.AsyncClient,
+) -> None:
+    """A trainer that lost a commit's answer may send it again as JSON after a frame (or the
+    reverse): the same groups and payloads are the same commit, answered with its result."""
+    await setup_pool(client, questions=16, phase="mixed")
+    for step, first_as_frame in ((1, True), (2, False)):
+        plan = await plan_batch(client)
+        body = make_groups(plan, correct_first(lambda q: 2), tokens=lambda q, row: [q, row + 1, 5])
+        url = f"/v1/pools/p1/batches/{plan['id']}/commit"
+        as_frame = {"content": to_frame(body), "headers": FRAME}
+        as_json: dict[str, Any] = {"json": body}
+        first, again = (as_frame, as_json) if first_as_frame else (as_json, as_frame)
+        answer = ok(await client.post(url, **first))
+        assert answer["step"] == step
+        assert ok(await client.post(url, **again)) == answer
+        # other payloads are another commit, in either encoding
+        other = make_groups(plan, correct_first(lambda q: 2), tokens=lambda q, row: [q, row + 1, 6])
+        assert (await client.post(url, json=other)).status_code == 409
+        assert (await client.post(url, content=to_frame(other), headers=FRAME)).status_code == 409
+
+
 async def test_plan_batch_and_select_answer_the_same_as_frames(client: httpx.AsyncClient) -> None:
     await setup_pool(client, questions=24, phase="mixed")
     for _ in range(3):
