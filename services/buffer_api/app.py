@@ -438,7 +438,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         from exgrpo_pool.api.deps import get_principal, require_admin
 
         ctx: Context = request.app.state.ctx
-        require_admin(get_principal(request, ctx))
+        await require_admin(await get_principal(request, ctx))
         return {"indexed_questions": await rebuild_all(ctx)}
 
     app.include_router(pools.router)

@@ -22,7 +22,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import BaseRoute, compile_path
 
 from exgrpo_client.schemas import Problem
-from exgrpo_pool.api.deps import Idempotency
+from exgrpo_pool.api.deps import idempotency
 
 PROBLEM = "application/problem+json"
 PROBLEM_REF = {"$ref": "#/components/schemas/Problem"}
@@ -149,7 +149,7 @@ def describe(spec: dict[str, Any], routes: list[Any]) -> None:
             op = spec["paths"].get(path, {}).get(method)
             if op is None:
                 continue
-            if Idempotency in calls:
+            if idempotency in calls:
                 op.setdefault("parameters", []).append(dict(IDEMPOTENCY_KEY))
             media = MEDIA.get((method, path))
             if media is not None:

@@ -1,4 +1,8 @@
-"""Request dependencies: the service context, the caller, scope checks, idempotent writes."""
+"""Request dependencies: the service context, the caller, scope checks, idempotent writes.
+
+Every dependency is an `async def` (a class through an async factory): FastAPI runs a plain
+function or a class in its thread pool, a hand-over to a thread and back on every request
+(tests/unit/test_route_dependencies.py)."""
 
 from __future__ import annotations
 
@@ -51,14 +55,14 @@ class Principal:
         return self.is_admin or "write:*" in self.scopes or f"write:{pool}" in self.scopes
 
 
-def get_context(request: Request) -> Context:
+async def get_context(request: Request) -> Context:
     return request.app.state.ctx
 
 
 ContextDep = Annotated[Context, Depends(get_context)]
 
 
-def get_principal(request: Request, ctx: ContextDep) -> Principal:
+async def get_principal(request: Request, ctx: ContextDep) -> Principal:
     header = request.headers.get("authorization", "")
     if header:
         scheme, _, token = header.partition(" ")
@@ -77,13 +81,13 @@ def get_principal(request: Request, ctx: ContextDep) -> Principal:
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-def require_read(principal: PrincipalDep) -> Principal:
+async def require_read(principal: PrincipalDep) -> Principal:
     if not principal.can_read():
         raise Forbidden(f"{principal.name} may not read")
     return principal
 
 
-def require_admin(principal: PrincipalDep) -> Principal:
+async def require_admin(principal: PrincipalDep) -> Principal:
     if not principal.is_admin:
         raise Forbidden(f"{principal.name} lacks the admin scope")
     return principal
@@ -93,7 +97,7 @@ Reader = Annotated[Principal, Depends(require_read)]
 Admin = Annotated[Principal, Depends(require_admin)]
 
 
-def readable_pool_name(pool: PoolName, principal: Reader) -> str:
+async def readable_pool_name(pool: PoolName, principal: Reader) -> str:
     """A pool the caller may read, by name: the request loads it in its own transaction."""
     if not principal.can_read(pool):
         raise Forbidden(
@@ -103,7 +107,7 @@ def readable_pool_name(pool: PoolName, principal: Reader) -> str:
     return pool
 
 
-def writable_pool_name(pool: PoolName, principal: PrincipalDep) -> str:
+async def writable_pool_name(pool: PoolName, principal: PrincipalDep) -> str:
     """A pool the caller may write to, by name: the request loads it in its own transaction."""
     if not principal.can_write(pool):
         raise Forbidden(
@@ -130,7 +134,7 @@ ReadPool = Annotated[Pool, Depends(readable_pool)]
 WritePool = Annotated[Pool, Depends(writable_pool)]
 
 
-def run_lease_claim(
+async def run_lease_claim(
     x_run_lease: Annotated[
         str | None,
         Header(description="`<holder>:<generation>` of the run's writer lease (PUT .../lease)."),
@@ -269,7 +273,11 @@ class Idempotency:
             return await repo.get_idempotent(session, self.key or "", self.principal.name)
 
 
-IdempotencyDep = Annotated[Idempotency, Depends(Idempotency)]
+async def idempotency(request: Request, ctx: ContextDep, principal: PrincipalDep) -> Idempotency:
+    return Idempotency(request, ctx, principal)
+
+
+IdempotencyDep = Annotated[Idempotency, Depends(idempotency)]
 
 
 def json_response(

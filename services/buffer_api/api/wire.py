@@ -127,7 +127,11 @@ class Wire:
         return json_response(obj, status_code, headers)
 
 
-WireDep = Annotated[Wire, Depends(Wire)]
+async def wire(request: Request) -> Wire:
+    return Wire(request)
+
+
+WireDep = Annotated[Wire, Depends(wire)]
 
 
 def frame_body(model: type[BaseModel], description: str) -> dict[str, Any]:
