@@ -70,9 +70,14 @@ class Payloads:
         return out
 
     def chunks(self) -> list[tuple[bytes, bytes] | None]:
-        """Each slot's packed (ids, log-probs) bytes, or None."""
-        ids, lps = self.token_ids.tobytes(), self.logprobs.tobytes()
-        return [None if sp is None else (ids[sp[0] : sp[1]], lps[sp[0] : sp[1]]) for sp in self._spans(4)]
+        """Each slot's packed (ids, log-probs) bytes, or None: each slot copied once out of the
+        frame's buffers (through byte views of them, not a copy of the whole buffer first)."""
+        ids = memoryview(np.ascontiguousarray(self.token_ids)).cast("B")
+        lps = memoryview(np.ascontiguousarray(self.logprobs)).cast("B")
+        return [
+            None if sp is None else (ids[sp[0] : sp[1]].tobytes(), lps[sp[0] : sp[1]].tobytes())
+            for sp in self._spans(4)
+        ]
 
     def arrays(self) -> list[Arrays | None]:
         """Each slot's (ids, log-probs), views into the frame's buffers, or None."""
