@@ -72,8 +72,8 @@ class Payloads:
     def chunks(self) -> list[tuple[bytes, bytes] | None]:
         """Each slot's packed (ids, log-probs) bytes, or None: each slot copied once out of the
         frame's buffers (through byte views of them, not a copy of the whole buffer first)."""
-        ids = memoryview(np.ascontiguousarray(self.token_ids)).cast("B")
-        lps = memoryview(np.ascontiguousarray(self.logprobs)).cast("B")
+        ids = np.ascontiguousarray(self.token_ids).data.cast("B")
+        lps = np.ascontiguousarray(self.logprobs).data.cast("B")
         return [
             None if sp is None else (ids[sp[0] : sp[1]].tobytes(), lps[sp[0] : sp[1]].tobytes())
             for sp in self._spans(4)
