@@ -146,3 +146,19 @@ async def test_a_change_during_a_rebuild_leaves_the_scope_unloaded(index: Any) -
     assert not await index.is_loaded(3) and await index.sizes(3) == {}
     assert await index.generation(3) > generation
     assert await index.replace(3, {}, generation=generation) is False
+
+
+async def test_loaded_sizes_answers_loaded_and_sizes_together(index: Any) -> None:
+    assert await index.loaded_sizes(4) is None  # never built
+    assert await index.replace(4, {}) and await index.loaded_sizes(4) == {}  # loaded, nothing eligible
+    assert await index.replace(4, {1: [10, 11], 2: [12], 3: []})
+    assert await index.loaded_sizes(4) == {1: 2, 2: 1} == await index.sizes(4)
+    await index.apply(4, [(12, None), (13, 1)])  # bucket 2 emptied, bucket 1 grown
+    assert await index.loaded_sizes(4) == {1: 3} == await index.sizes(4)
+    await index.drop(4)
+    assert await index.loaded_sizes(4) is None
+    # changed while being rebuilt: installed, but not loaded
+    generation = await index.generation(4)
+    await index.apply(4, [(10, 1)])
+    assert await index.replace(4, {1: [10, 11]}, generation=generation) is False
+    assert await index.loaded_sizes(4) is None and await index.sizes(4) == {1: 2}

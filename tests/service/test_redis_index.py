@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -41,14 +42,23 @@ async def _serve(backend: Backend) -> AsyncIterator[tuple[httpx.AsyncClient, Con
         yield client, app.state.ctx
 
 
-def _record_commands(ctx: Context) -> list[str]:
-    """The names of the commands the index's Redis client sends from now on (pipelines included)."""
-    sent: list[str] = []
+@dataclass
+class _Recording:
+    #: the name of every command sent, pipelines included
+    commands: list[str] = field(default_factory=list)
+    #: one entry per trip to Redis: a command's name, or the names a pipeline sent in one go
+    trips: list[str] = field(default_factory=list)
+
+
+def _record(ctx: Context) -> _Recording:
+    """What the index's Redis client sends from now on."""
+    rec = _Recording()
     client: Any = ctx.index._r  # type: ignore[attr-defined]
     plain = client.execute_command
 
     async def execute_command(*args: Any, **kwargs: Any) -> Any:
-        sent.append(str(args[0]).upper())
+        rec.commands.append(str(args[0]).upper())
+        rec.trips.append(rec.commands[-1])
         return await plain(*args, **kwargs)
 
     make_pipeline = client.pipeline
@@ -56,17 +66,24 @@ def _record_commands(ctx: Context) -> list[str]:
     def pipeline(*args: Any, **kwargs: Any) -> Any:
         pipe = make_pipeline(*args, **kwargs)
         queue = pipe.execute_command
+        run = pipe.execute
 
         def queued(*a: Any, **kw: Any) -> Any:
-            sent.append(str(a[0]).upper())
+            rec.commands.append(str(a[0]).upper())
             return queue(*a, **kw)
 
+        async def execute(*a: Any, **kw: Any) -> Any:
+            if pipe.command_stack:  # an empty pipeline sends nothing
+                rec.trips.append("+".join(sorted({str(c[0][0]).upper() for c in pipe.command_stack})))
+            return await run(*a, **kw)
+
         pipe.execute_command = queued
+        pipe.execute = execute
         return pipe
 
     client.execute_command = execute_command
     client.pipeline = pipeline
-    return sent
+    return rec
 
 
 @pytest.mark.parametrize("backend", ["postgres-redis"], indirect=True)
@@ -79,7 +96,7 @@ async def test_plan_commit_select_send_no_scan_with_100k_unrelated_keys(
     pipe.execute()
     async with _serve(backend) as (client, ctx):
         await setup_pool(client, questions=64, runs=("r1", "r2"), phase="mixed")
-        sent = _record_commands(ctx)
+        sent = _record(ctx).commands
         for step in range(3):
             plan = await plan_batch(client)
             body = make_groups(plan, correct_first(lambda q: 2))
@@ -102,6 +119,39 @@ async def test_plan_commit_select_send_no_scan_with_100k_unrelated_keys(
         if b":unrelated:" not in k
     }
     assert ours and all(k.startswith(f"{backend.redis_prefix}:idx:") for k in ours), sorted(ours)[:20]
+
+
+@pytest.mark.parametrize("backend", ["postgres-redis"], indirect=True)
+async def test_a_plan_and_a_select_take_two_redis_round_trips(backend: Backend) -> None:
+    """Whether the scope is loaded and its buckets' sizes come in one trip, the picks in a second;
+    an empty scope and a dropped one are answered the same way (a dropped one is then rebuilt)."""
+    async with _serve(backend) as (client, ctx):
+        await setup_pool(client, questions=64, runs=("r1", "r2"), phase="mixed")
+        for _ in range(3):
+            plan = await plan_batch(client)
+            ok(await commit_batch(client, plan, make_groups(plan, correct_first(lambda q: 2))))
+        ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 1}))
+        await plan_batch(client, run="r2")  # loads r2's scope: nothing eligible in it
+
+        trips = _record(ctx).trips
+        plan = await plan_batch(client)
+        assert plan["replay"] and len(trips) == 2, trips
+        del trips[:]
+        sel = ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 2}))
+        assert sel["replay"] and len(trips) == 2, trips
+        del trips[:]
+        sel = ok(await client.post("/v1/pools/p1/runs/r2/select", json={"n": 8, "seed": 3}))
+        assert sel["num_eligible"] == 0 and len(trips) == 1, trips  # loaded, empty: nothing to pick
+        del trips[:]
+        run = ok(await client.get("/v1/pools/p1/runs/r1"))
+        await ctx.index.drop(run["id"])
+        del trips[:]
+        sel = ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 2}))
+        assert sel["replay"] and sel["num_eligible"] == plan["num_eligible"], sel
+        assert len(trips) > 2, trips  # rebuilt
+        del trips[:]
+        sel = ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 2}))
+        assert sel["replay"] and len(trips) == 2, trips
 
 
 @pytest.mark.parametrize("backend", ["postgres-redis"], indirect=True)

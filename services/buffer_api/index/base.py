@@ -49,6 +49,10 @@ class BucketIndex(Protocol):
     async def is_loaded(self, scope: int) -> bool:
         """Whether `scope` was built since the index was last emptied."""
 
+    async def loaded_sizes(self, scope: int) -> dict[int, int] | None:
+        """`sizes` of a loaded scope (empty for a loaded scope without members), None for one that
+        is not loaded: `is_loaded` and `sizes` at once, read together."""
+
     async def drop(self, scope: int) -> None:
         """Forget a scope (its run was deleted, or the index could not follow a change): it is not
         loaded until rebuilt."""

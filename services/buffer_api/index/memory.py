@@ -72,6 +72,9 @@ class MemoryIndex:
     async def is_loaded(self, scope: int) -> bool:
         return scope in self._loaded
 
+    async def loaded_sizes(self, scope: int) -> dict[int, int] | None:
+        return await self.sizes(scope) if scope in self._loaded else None
+
     async def drop(self, scope: int) -> None:
         self._generation[scope] = self._generation.get(scope, 0) + 1
         self._loaded.discard(scope)

@@ -96,6 +96,21 @@ return 1
 """
 )
 
+# KEYS[1] loaded, KEYS[2] bk; ARGV[1] bucket key prefix. Answers nil (not loaded) or the non-empty
+# buckets and their sizes, flat: bucket, size, bucket, size...
+_LOADED_SIZES = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local out = {}
+for _, b in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local n = redis.call('ZCARD', ARGV[1] .. b)
+  if n > 0 then
+    out[#out + 1] = b
+    out[#out + 1] = n
+  end
+end
+return out
+"""
+
 _CHUNK = 5000
 #: the key layout this module writes (the `bk` set of every scope); older layouts are dropped once
 _FORMAT = "2"
@@ -112,6 +127,7 @@ class RedisIndex:
         self._move = client.register_script(_MOVE)
         self._swap = client.register_script(_SWAP)
         self._drop = client.register_script(_DROP)
+        self._loaded_sizes = client.register_script(_LOADED_SIZES)
 
     def _k(self, scope: int, suffix: str) -> str:
         return f"{self._prefix}:idx:{scope}:{suffix}"
@@ -213,6 +229,16 @@ class RedisIndex:
 
     async def is_loaded(self, scope: int) -> bool:
         return bool(await self._r.exists(self._k(scope, "loaded")))
+
+    async def loaded_sizes(self, scope: int) -> dict[int, int] | None:
+        """One trip: a script reads the marker and every bucket's size."""
+        reply = await self._loaded_sizes(
+            keys=[self._k(scope, "loaded"), self._k(scope, "bk")], args=[self._k(scope, "b:")]
+        )
+        if reply is None:
+            return None
+        flat = [int(x) for x in reply]
+        return dict(sorted(zip(flat[::2], flat[1::2], strict=True)))
 
     async def drop(self, scope: int) -> None:
         await self._drop(keys=self._fixed(scope), args=[self._k(scope, "b:")])

@@ -96,6 +96,17 @@ async def ensure_index(ctx: Context, session: AsyncSession, scope: int) -> None:
         await rebuild_index(ctx, session, scope)
 
 
+async def index_sizes(ctx: Context, session: AsyncSession, scope: int) -> dict[int, int]:
+    """`ensure_index`, then the scope's bucket sizes: one index call when the scope is loaded,
+    a rebuild and one more call when it is stale or not loaded."""
+    if scope not in ctx.stale_scopes:
+        sizes = await ctx.index.loaded_sizes(scope)
+        if sizes is not None:
+            return sizes
+    await rebuild_index(ctx, session, scope)
+    return await ctx.index.sizes(scope)
+
+
 async def _apply_moves(ctx: Context, scope: int, applied: Applied) -> None:
     """Make the index follow a write once its transaction has committed (at the end of the
     request's shared transaction, if there is one)."""
@@ -403,8 +414,7 @@ async def plan_batch(
         )
         scopes = scopes_of(pool, run)
         scope = scopes.state
-        await ensure_index(ctx, session, scope)
-        sizes = await ctx.index.sizes(scope)
+        sizes = await index_sizes(ctx, session, scope)
         experience = run_overrides(run).experience
         phase = run.phase if experience else "on_policy"
         comp = compose_batch(sum(sizes.values()), rules, phase=phase)
@@ -674,8 +684,7 @@ async def select_replay(ctx: Context, pool_name: str, run_name: str, req: s.Sele
     async with ctx.db.read() as session:
         pool, run = await read_run(session, pool_name, run_name)
         scopes = scopes_of(pool, run)
-        await ensure_index(ctx, session, scopes.state)
-        sizes = await ctx.index.sizes(scopes.state)
+        sizes = await index_sizes(ctx, session, scopes.state)
         seed = secrets.randbits(63) if req.seed is None else req.seed
         rules = rules_for(pool, run)
         picks, rows = await _pick_replay(
