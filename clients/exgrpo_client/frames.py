@@ -277,4 +277,4 @@ def attach(model: BaseModel, payloads: Payloads) -> None:
         raise TypeError(f"{type(model).__name__} has no payload slots")
     for item, packed in zip(items, payloads.chunks(), strict=True):
         if packed is not None:
-            item._packed = packed
+            s.set_packed(item, packed)

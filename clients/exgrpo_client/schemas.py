@@ -470,16 +470,27 @@ class _PackedBytes:
 
     @property
     def _packed(self) -> tuple[bytes, bytes] | None:
-        private: dict[str, Any] | None = getattr(self, "__pydantic_private__", None)
-        return None if private is None else private.get("_packed")
+        return packed_of(self)
 
     @_packed.setter
     def _packed(self, value: tuple[bytes, bytes] | None) -> None:
-        private: dict[str, Any] | None = getattr(self, "__pydantic_private__", None)
-        if private is not None:
-            private["_packed"] = value
-        elif value is not None:
-            object.__setattr__(self, "__pydantic_private__", {"_packed": value})
+        set_packed(self, value)
+
+
+def packed_of(model: object) -> tuple[bytes, bytes] | None:
+    """`model._packed`, read straight from its private values (the hot paths read it for every
+    rollout of a request: no attribute lookup through the model's class)."""
+    private: dict[str, Any] | None = getattr(model, "__pydantic_private__", None)
+    return None if private is None else private.get("_packed")
+
+
+def set_packed(model: object, value: tuple[bytes, bytes] | None) -> None:
+    """`model._packed = value` without pydantic's `__setattr__` (a Python call per rollout)."""
+    private: dict[str, Any] | None = getattr(model, "__pydantic_private__", None)
+    if private is not None:
+        private["_packed"] = value
+    elif value is not None:
+        object.__setattr__(model, "__pydantic_private__", {"_packed": value})
 
 
 class Payload(Bulk):

@@ -16,6 +16,7 @@ from sqlalchemy import Row
 
 from exgrpo_client import frames
 from exgrpo_client import schemas as s
+from exgrpo_client.schemas import packed_of, set_packed
 from exgrpo_pool.domain import ExperienceRules, check_weights
 from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.store.models import (
@@ -94,21 +95,6 @@ LEGACY_DIGEST = "groups_sha256"
 #: every rollout's payload fields, left out of the digest's JSON part (their bytes follow it)
 _PAYLOAD_FIELDS = {"token_ids", "token_ids_b64", "logprobs", "logprobs_b64"}
 _WITHOUT_PAYLOADS = {"groups": {"__all__": {"rollouts": {"__all__": _PAYLOAD_FIELDS}}}}
-
-
-def packed_of(r: s.RolloutResult | s.TrajectoryPublic) -> tuple[bytes, bytes] | None:
-    """`r._packed`, read from the model's private values directly: pydantic answers a private
-    attribute through `__getattr__`, which cost ~10 us per rollout, thousands per commit."""
-    private = r.__pydantic_private__
-    return None if private is None else private.get("_packed")
-
-
-def set_packed(r: s.RolloutResult | s.TrajectoryPublic, packed: tuple[bytes, bytes]) -> None:
-    """`r._packed = packed` without pydantic's `__setattr__`."""
-    if r.__pydantic_private__ is None:
-        r._packed = packed
-    else:
-        r.__pydantic_private__["_packed"] = packed
 
 
 def commit_digest(req: s.BatchCommit) -> str:
