@@ -103,8 +103,11 @@ class Wire:
         rollouts of its validated model, or decode and check those of a JSON body."""
         payloads = getattr(self.request.state, _PAYLOADS, None)
         if payloads is not None:
+            # a frame's rollouts carry no payload fields (`_unframed` refuses them): all it has
+            # is in its buffers, checked there
             frames.attach(model, payloads)
-        predecode(model.groups)
+        else:
+            predecode(model.groups)
 
     @contextlib.contextmanager
     def answering(self) -> Iterator[None]:
