@@ -155,6 +155,8 @@ async def test_loaded_sizes_answers_loaded_and_sizes_together(index: Any) -> Non
     assert await index.loaded_sizes(4) == {1: 2, 2: 1} == await index.sizes(4)
     await index.apply(4, [(12, None), (13, 1)])  # bucket 2 emptied, bucket 1 grown
     assert await index.loaded_sizes(4) == {1: 3} == await index.sizes(4)
+    # ranks past a bucket's end (it shrank since it was sized) pick nothing
+    assert await index.pick(4, {1: [2, 0, 3], 2: [0], 5: []}) == {1: [13, 10], 2: [], 5: []}
     await index.drop(4)
     assert await index.loaded_sizes(4) is None
     # changed while being rebuilt: installed, but not loaded

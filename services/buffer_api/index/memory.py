@@ -67,7 +67,12 @@ class MemoryIndex:
         s = self._scopes.get(scope)
         if s is None:
             return {b: [] for b in ranks}
-        return {b: [s.buckets[b][int(r)] for r in rs] for b, rs in ranks.items()}
+        out: dict[int, list[int]] = {}
+        for b, rs in ranks.items():
+            members = s.buckets.get(b, ())
+            # a rank past the end picks nothing: the bucket shrank since it was sized
+            out[b] = [members[int(r)] for r in rs if int(r) < len(members)]
+        return out
 
     async def is_loaded(self, scope: int) -> bool:
         return scope in self._loaded
