@@ -6,6 +6,7 @@ Besides the plain service it can, for the benchmark only:
   request spent in the application (from its first byte to the response start), in SQL statements
   (SQLAlchemy cursor events) and in Redis round trips, so the benchmark can tell where time goes.
   It also carries the request's garbage-collection pauses (``gc``: their time and number).
+* ``EXGRPO_BENCH_SQL_LOG=<file>`` (with the timing): one line per SQL statement, its ms and text.
 * ``EXGRPO_BENCH_FREEZE_HEAP=0``: serve without freezing the start-up heap (``create_app(...,
   freeze_heap=False)``), to measure what the freeze changes.
 * ``EXGRPO_BENCH_PROFILE=<file>``: SIGUSR1 starts cProfile on the event-loop thread, SIGUSR2
@@ -48,10 +49,16 @@ def _install_sql_timer() -> None:
     def before(conn: Any, *_: Any) -> None:
         conn.info.setdefault("bench_t0", []).append(time.perf_counter())
 
-    def after(conn: Any, *_: Any) -> None:
+    log_path = os.environ.get("EXGRPO_BENCH_SQL_LOG")
+    log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115  # open for the process's life
+
+    def after(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         stack = conn.info.get("bench_t0")
         if stack:
-            _add(0, time.perf_counter() - stack.pop())
+            seconds = time.perf_counter() - stack.pop()
+            _add(0, seconds)
+            if log is not None:
+                log.write(f"{seconds * 1000:.2f}\t{' '.join(statement.split())[:120]}\n")
 
     def failed(ctx: Any) -> None:
         stack = ctx.connection.info.get("bench_t0") if ctx.connection is not None else None
