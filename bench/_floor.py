@@ -93,8 +93,15 @@ class SqliteDb(Db):
 
     def __init__(self, path: str) -> None:
         self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=30000"):
+        # as the service: SQLite's own checkpoint bound raised, the WAL copied into the database
+        # file after each write by a second connection in a thread, off the request's path
+        pragmas = ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=30000")
+        for pragma in (*pragmas, "wal_autocheckpoint=16384"):
             self.conn.execute(f"PRAGMA {pragma}")
+        self.checkpointer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.checkpointer.execute("PRAGMA busy_timeout=30000")
+        self.checkpoint: asyncio.Task[None] | None = None
+        self.again = False
 
     async def fetch(self, sql: str, *args: Any) -> list[Any]:
         return self.conn.execute(sql, args).fetchall()
@@ -110,6 +117,19 @@ class SqliteDb(Db):
 
     async def end(self, ok: bool) -> None:
         self.conn.execute("COMMIT" if ok else "ROLLBACK")
+        if not ok:
+            return
+        if self.checkpoint is not None and not self.checkpoint.done():
+            self.again = True
+        else:
+            self.checkpoint = asyncio.get_running_loop().create_task(self._checkpoint())
+
+    async def _checkpoint(self) -> None:
+        again = True
+        while again:
+            self.again = False
+            await asyncio.to_thread(self.checkpointer.execute, "PRAGMA wal_checkpoint(PASSIVE)")
+            again = self.again
 
 
 def _dollars(sql: str) -> str:
