@@ -8,7 +8,7 @@ handling runs it, in the encodings a commit arrives in:
 * ``json lists, 3.0 ids``: the same with one token id per rollout written as an integral float.
 
 `--against FILE` also validates with another copy of `exgrpo_client/schemas.py` (for example
-the one of an earlier commit: `git show REV:clients/exgrpo_client/schemas.py > /tmp/schemas_rev.py`),
+the one of an earlier commit: `git show REV:clients/exgrpo_client/schemas.py > bench/out/schemas_rev.py`),
 the two taking turns on every repeat, so both see the same machine load.
 
     .venv/bin/python bench/validate_bench.py [--repeat 30] [--against FILE]
