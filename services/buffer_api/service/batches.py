@@ -91,14 +91,9 @@ async def rebuild_index(ctx: Context, session: AsyncSession, scope: int) -> int:
     return sum(len(v) for v in members.values())
 
 
-async def ensure_index(ctx: Context, session: AsyncSession, scope: int) -> None:
-    if scope in ctx.stale_scopes or not await ctx.index.is_loaded(scope):
-        await rebuild_index(ctx, session, scope)
-
-
 async def index_sizes(ctx: Context, session: AsyncSession, scope: int) -> dict[int, int]:
-    """`ensure_index`, then the scope's bucket sizes: one index call when the scope is loaded,
-    a rebuild and one more call when it is stale or not loaded."""
+    """The scope's bucket sizes: one index call when the scope is loaded, a rebuild and one more
+    call when it is stale or not loaded."""
     if scope not in ctx.stale_scopes:
         sizes = await ctx.index.loaded_sizes(scope)
         if sizes is not None:

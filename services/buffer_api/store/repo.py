@@ -692,16 +692,6 @@ async def last_committed_batch(session: AsyncSession, run_id: int) -> Batch | No
     return (await session.execute(stmt)).scalars().first()
 
 
-async def run_batches(session: AsyncSession, run_id: int, limit: int) -> list[Batch]:
-    stmt = (
-        select(Batch)
-        .where(Batch.run_id == run_id, Batch.status == "committed")
-        .order_by(Batch.step.desc())
-        .limit(limit)
-    )
-    return list((await session.execute(stmt)).scalars())
-
-
 # ------------------------------------------------------------------------------------- tasks
 async def insert_tasks(session: AsyncSession, rows: list[dict[str, Any]]) -> None:
     if rows:
