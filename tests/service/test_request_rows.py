@@ -134,3 +134,29 @@ async def test_statements_per_request(backend: Backend) -> None:
     # metrics, batch, answer; ingest: key, run (+ lease), questions, states, state upsert,
     # trajectories, answer; select: run, states, candidates, prompts
     assert counts == {"plan": 9 + pg, "commit": 9 + pg, "ingest": 7 + pg, "select": 4}, counts
+
+
+async def test_pool_stats_read_every_run_in_the_same_statements(backend: Backend) -> None:
+    """A pool's stats read the states, trajectory counts and last batches of all its runs together:
+    the statements do not grow with the number of runs, and each run's part is its own stats."""
+    half = correct_first(lambda q: 2)
+    async with serve(backend.settings()) as client:
+        await setup_pool(client, phase="mixed", questions=64)
+        plan = await plan_batch(client)
+        ok(await commit_batch(client, plan, make_groups(plan, half)))
+        with _statements() as seen:
+            one = ok(await client.get("/v1/pools/p1/stats"))
+        alone = len(seen)
+        for name in ("r2", "r3", "r4"):
+            ok(await client.post("/v1/pools/p1/runs", json={"name": name, "phase": "mixed", "seed": 1}), 201)
+            plan = await plan_batch(client, run=name)
+            ok(await commit_batch(client, plan, make_groups(plan, half)))
+        with _statements() as seen:
+            four = ok(await client.get("/v1/pools/p1/stats"))
+        assert len(seen) == alone, (alone, seen)
+        assert [r["run"] for r in four["runs"]] == ["r1", "r2", "r3", "r4"]
+        assert four["runs"][0]["replayed_last_step"] == one["runs"][0]["replayed_last_step"]
+        for part in four["runs"]:
+            assert part == ok(await client.get(f"/v1/pools/p1/runs/{part['run']}/stats"))
+        assert four["num_runs"] == 4 and four["num_trajectories"] > one["num_trajectories"] > 0
+        assert four["num_tokens"] > one["num_tokens"] > 0

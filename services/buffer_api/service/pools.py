@@ -29,7 +29,7 @@ from exgrpo_pool.service.leases import (
     require_run,
     run_for_write,
 )
-from exgrpo_pool.service.stats import collect_run_stats
+from exgrpo_pool.service.stats import collect_run_stats, collect_runs_stats
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import PolicyVersion, Pool, Run, is_pool_scope, pool_scope, utcnow
 
@@ -313,7 +313,7 @@ async def pool_stats(ctx: Context, pool: Pool) -> s.PoolStats:
         nq, nt, nr = await repo.pool_counts(session, pool.id)
         tokens = await repo.pool_tokens(session, pool.id)
         all_runs = await repo.list_runs(session, pool.id)
-        runs = [await collect_run_stats(ctx, session, pool, r) for r in all_runs]
+        runs = await collect_runs_stats(ctx, session, pool, all_runs)
     ctx.metrics.pool_questions.labels(pool.name).set(nq)
     ctx.metrics.pool_trajectories.labels(pool.name).set(nt)
     return s.PoolStats(

@@ -1,15 +1,16 @@
-"""A run's pool statistics, read inside a caller's session: the stats endpoints answer them, and a
+"""Runs' pool statistics, read inside a caller's session: the stats endpoints answer them, and a
 commit that asks for them answers them as they stand after its own changes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from exgrpo_client import schemas as s
 from exgrpo_pool.service.context import Context
-from exgrpo_pool.service.convert import scope_of, stored_plan
+from exgrpo_pool.service.convert import scope_of
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import AnyBatch, AnyPool, AnyRun, utcnow
 
@@ -18,24 +19,49 @@ async def collect_run_stats(
     ctx: Context, session: AsyncSession, pool: AnyPool, run: AnyRun, *, last: AnyBatch | None = None
 ) -> s.RunStats:
     """`last`: the run's last committed batch, when the caller holds it (a commit: its own batch)."""
-    hist, retired, seen = await repo.state_counts(session, scope_of(pool, run))
-    total, recent = await repo.run_trajectory_counts(session, run.id, utcnow() - timedelta(minutes=5))
-    if last is None:
-        last = await repo.last_committed_batch(session, run.id)
-    eligible = sum(hist.values())
-    ctx.metrics.run_eligible.labels(pool.name, run.name).set(eligible)
-    ctx.metrics.run_retired.labels(pool.name, run.name).set(retired)
-    return s.RunStats(
-        run=run.name,
-        pool=pool.name,
-        phase=run.phase,
-        step=run.step,
-        policy_version=run.policy_version,
-        buckets=[s.BucketCount(bucket=b, questions=n) for b, n in sorted(hist.items())],
-        eligible=eligible,
-        retired=retired,
-        seen=seen,
-        trajectories=total,
-        replayed_last_step=0 if last is None else len(stored_plan(last).replay),
-        ingest_per_minute=recent / 5.0,
-    )
+    return (await collect_runs_stats(ctx, session, pool, [run], last=last))[0]
+
+
+async def collect_runs_stats(
+    ctx: Context,
+    session: AsyncSession,
+    pool: AnyPool,
+    runs: Sequence[AnyRun],
+    *,
+    last: AnyBatch | None = None,
+) -> list[s.RunStats]:
+    """The stats of runs of one pool, in the runs' order, with a statement per kind of count
+    whatever the number of runs. `last`: the last committed batch of the one run given."""
+    scopes = {run.id: scope_of(pool, run) for run in runs}
+    states = await repo.state_counts(session, list(scopes.values()))
+    ids = [run.id for run in runs]
+    trajectories = await repo.run_trajectory_counts(session, ids, utcnow() - timedelta(minutes=5))
+    if last is not None:
+        plans = {last.run_id: last.plan}
+    else:
+        plans = await repo.last_committed_plans(session, ids)
+    out: list[s.RunStats] = []
+    for run in runs:
+        hist, retired, seen = states[scopes[run.id]]
+        total, recent = trajectories[run.id]
+        plan = plans.get(run.id)
+        eligible = sum(hist.values())
+        ctx.metrics.run_eligible.labels(pool.name, run.name).set(eligible)
+        ctx.metrics.run_retired.labels(pool.name, run.name).set(retired)
+        out.append(
+            s.RunStats(
+                run=run.name,
+                pool=pool.name,
+                phase=run.phase,
+                step=run.step,
+                policy_version=run.policy_version,
+                buckets=[s.BucketCount(bucket=b, questions=n) for b, n in sorted(hist.items())],
+                eligible=eligible,
+                retired=retired,
+                seen=seen,
+                trajectories=total,
+                replayed_last_step=0 if plan is None else len(s.StoredPlan.model_validate(plan).replay),
+                ingest_per_minute=recent / 5.0,
+            )
+        )
+    return out

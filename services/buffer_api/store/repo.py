@@ -409,22 +409,27 @@ async def retired_ids(session: AsyncSession, scope: int) -> np.ndarray:
     return np.fromiter((r[0] for r in await session.execute(stmt)), dtype=np.int64)
 
 
-async def state_counts(session: AsyncSession, scope: int) -> tuple[dict[int, int], int, int]:
-    """(bucket histogram of eligible questions, retired, seen)."""
+async def state_counts(
+    session: AsyncSession, scopes: Sequence[int]
+) -> dict[int, tuple[dict[int, int], int, int]]:
+    """Per scope: (bucket histogram of eligible questions, retired, seen), in one query."""
+    out: dict[int, tuple[dict[int, int], int, int]] = {}
+    if not scopes:
+        return out
     stmt = (
-        select(RunQuestion.bucket, RunQuestion.retired, func.count())
-        .where(RunQuestion.scope == scope)
-        .group_by(RunQuestion.bucket, RunQuestion.retired)
+        select(RunQuestion.scope, RunQuestion.bucket, RunQuestion.retired, func.count())
+        .where(RunQuestion.scope.in_(sorted(set(scopes))))
+        .group_by(RunQuestion.scope, RunQuestion.bucket, RunQuestion.retired)
     )
-    hist: dict[int, int] = {}
-    retired = seen = 0
-    for bucket, is_retired, n in await session.execute(stmt):
-        seen += n
+    counts: dict[int, list[Any]] = {sc: [{}, 0, 0] for sc in scopes}
+    for scope, bucket, is_retired, n in (await session.execute(stmt)).all():
+        c = counts[int(scope)]
+        c[2] += n
         if is_retired:
-            retired += n
+            c[1] += n
         elif bucket is not None:
-            hist[int(bucket)] = hist.get(int(bucket), 0) + n
-    return hist, retired, seen
+            c[0][int(bucket)] = c[0].get(int(bucket), 0) + n
+    return {sc: (hist, retired, seen) for sc, (hist, retired, seen) in counts.items()}
 
 
 async def question_states(session: AsyncSession, qid: int) -> list[RunQuestion]:
@@ -656,15 +661,22 @@ async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, lim
     return list((await session.execute(stmt)).scalars())
 
 
-async def run_trajectory_counts(session: AsyncSession, run_id: int, since: datetime) -> tuple[int, int]:
-    """(trajectories the run stored, of which since `since`), in one query."""
+async def run_trajectory_counts(
+    session: AsyncSession, run_ids: Sequence[int], since: datetime
+) -> dict[int, tuple[int, int]]:
+    """Per run: (trajectories the run stored, of which since `since`), in one query."""
+    out = {r: (0, 0) for r in run_ids}
+    if not run_ids:
+        return out
+    t = Trajectory.__table__.c
     stmt = (
-        select(func.count(), func.count().filter(Trajectory.created_at >= since))
-        .select_from(Trajectory)
-        .where(Trajectory.source_run_id == run_id)
+        select(t.source_run_id, func.count(), func.count().filter(t.created_at >= since))
+        .where(t.source_run_id.in_(sorted(set(run_ids))))
+        .group_by(t.source_run_id)
     )
-    total, recent = (await session.execute(stmt)).one()
-    return int(total or 0), int(recent or 0)
+    for run_id, total, recent in (await session.execute(stmt)).all():
+        out[int(run_id)] = (int(total or 0), int(recent or 0))
+    return out
 
 
 # ----------------------------------------------------------------------------------- batches
@@ -682,14 +694,21 @@ async def open_batch(session: AsyncSession, run_id: int, step: int) -> BatchRow 
     return None if row is None else BatchRow(*row)
 
 
-async def last_committed_batch(session: AsyncSession, run_id: int) -> Batch | None:
-    stmt = (
-        select(Batch)
-        .where(Batch.run_id == run_id, Batch.status == "committed")
-        .order_by(Batch.step.desc())
-        .limit(1)
+async def last_committed_plans(session: AsyncSession, run_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """Per run that committed a batch: the stored plan of its last committed batch, in one query."""
+    if not run_ids:
+        return {}
+    b = _batch_t.c
+    ids = sorted(set(run_ids))
+    last = (
+        select(b.run_id, func.max(b.step).label("step"))
+        .where(b.run_id.in_(ids), b.status == "committed")
+        .group_by(b.run_id)
+        .subquery()
     )
-    return (await session.execute(stmt)).scalars().first()
+    stmt = select(b.run_id, b.plan).join(last, and_(b.run_id == last.c.run_id, b.step == last.c.step))
+    stmt = stmt.where(b.status == "committed")
+    return {int(run_id): plan for run_id, plan in (await session.execute(stmt)).all()}
 
 
 # ------------------------------------------------------------------------------------- tasks
