@@ -71,10 +71,9 @@ async def test_documented_content_types(client: httpx.AsyncClient) -> None:
     spec = ok(await client.get("/openapi.json"))
     ops = {(m, p): op for m, p, op in _operations(spec)}
     assert list(ops[("GET", "/metrics")]["responses"]["200"]["content"]) == ["text/plain"]
-    assert list(ops[("GET", "/v1/pools/{pool}/export")]["responses"]["200"]["content"]) == [
-        "application/x-ndjson"
-    ]
-    assert list(ops[("POST", "/v1/pools/import")]["requestBody"]["content"]) == ["application/x-ndjson"]
+    both = ["application/x-ndjson", "application/x-msgpack"]
+    assert list(ops[("GET", "/v1/pools/{pool}/export")]["responses"]["200"]["content"]) == both
+    assert list(ops[("POST", "/v1/pools/import")]["requestBody"]["content"]) == both
     assert "503" in ops[("GET", "/readyz")]["responses"]
 
 

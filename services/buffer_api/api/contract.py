@@ -51,18 +51,9 @@ IDEMPOTENCY_KEY = {
 #: Operations whose bodies are not JSON models: (method, path) -> where and what.
 MEDIA: dict[tuple[str, str], tuple[str, str, str]] = {
     ("get", "/metrics"): ("response", "text/plain", "Prometheus metrics in the text format."),
-    ("get", "/v1/pools/{pool}/export"): (
-        "response",
-        "application/x-ndjson",
-        "The pool as NDJSON: a header line, then runs, policy versions, questions, states and "
-        "trajectories (`schemas.ExportRecord`, one per line).",
-    ),
-    ("post", "/v1/pools/import"): (
-        "request",
-        "application/x-ndjson",
-        "An export (GET /v1/pools/{pool}/export), one record per line; imported in one transaction.",
-    ),
 }
+# an export's answer and an import's body are declared by their routes, both forms of each
+# (`wire.frame_answer` / `wire.frame_body`)
 
 
 @dataclass(frozen=True)

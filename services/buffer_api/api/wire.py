@@ -137,32 +137,58 @@ async def wire(request: Request) -> Wire:
 WireDep = Annotated[Wire, Depends(wire)]
 
 
-def frame_body(model: type[BaseModel], description: str) -> dict[str, Any]:
-    """`openapi_extra` of a route that takes its body as JSON or as a frame."""
+def frame_body(
+    model: type[BaseModel] | None, description: str, forms: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """`openapi_extra` of a route that takes its body as JSON or as a frame: `model` as a frame
+    (FastAPI declares its JSON itself). A route that reads its raw body instead gives no model but
+    `forms`, each media type it takes and what that body is; `description` is then the body's."""
+    if model is None:
+        content = _forms(forms or {})
+        return {"requestBody": {"required": True, "description": description, "content": content}}
     return {
         "requestBody": {
-            "content": {
-                MEDIA_TYPE: {
-                    "schema": {"type": "string", "format": "binary"},
-                    "description": f"{description} as a binary frame: {model.__name__} without its "
+            "content": _forms(
+                {
+                    MEDIA_TYPE: f"{description} as a binary frame: {model.__name__} without its "
                     "payload fields, with token ids and log-probs as raw little-endian buffers "
-                    "(docs/api.md, 'Binary frames').",
+                    "(docs/api.md, 'Binary frames')."
                 }
-            }
+            )
         }
     }
 
 
-def frame_answer(model: type[BaseModel], status_code: int = 200) -> dict[int | str, dict[str, Any]]:
-    """`responses` of a route that answers as a frame when asked to."""
+def frame_answer(
+    model: type[BaseModel] | None,
+    status_code: int = 200,
+    *,
+    description: str = "",
+    forms: dict[str, str] | None = None,
+) -> dict[int | str, dict[str, Any]]:
+    """`responses` of a route that answers as a frame when asked to: `model` as a frame (FastAPI
+    declares its JSON itself). A route that builds its answer itself gives no model but `forms`,
+    each media type it answers in and what that answer is, and the answer's `description`."""
+    if model is None:
+        return {status_code: {"description": description, "content": _forms(forms or {})}}
     return {
         status_code: {
-            "content": {
-                MEDIA_TYPE: {
-                    "schema": {"type": "string", "format": "binary"},
-                    "description": f"With `Accept: {MEDIA_TYPE}`: {model.__name__} as a binary frame, "
-                    "stored payloads as raw little-endian buffers (docs/api.md, 'Binary frames').",
+            "content": _forms(
+                {
+                    MEDIA_TYPE: f"With `Accept: {MEDIA_TYPE}`: {model.__name__} as a binary frame, "
+                    "stored payloads as raw little-endian buffers (docs/api.md, 'Binary frames')."
                 }
-            }
+            )
         }
+    }
+
+
+def _forms(forms: dict[str, str]) -> dict[str, Any]:
+    """The `content` of a body or an answer: the msgpack form as binary, any other as text."""
+    return {
+        media: {
+            "schema": {"type": "string", "format": "binary"} if media == MEDIA_TYPE else {"type": "string"},
+            "description": what,
+        }
+        for media, what in forms.items()
     }

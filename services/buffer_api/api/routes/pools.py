@@ -19,11 +19,22 @@ from exgrpo_pool.api.deps import (
     RowId,
     WritePool,
 )
+from exgrpo_pool.api.wire import frame_answer, frame_body
 from exgrpo_pool.errors import Forbidden
 from exgrpo_pool.service import pools as svc
 from exgrpo_pool.service import transfer
 
 router = APIRouter(prefix="/v1/pools", tags=["pools"])
+
+_NDJSON = "application/x-ndjson"
+_RECORDS = (
+    "a header line, then runs, policy versions, questions, states and trajectories (`schemas.ExportRecord`)"
+)
+_BINARY = (
+    "the magic `\\x89EXGRPO\\n`, then records, each a uint32 little-endian length and one msgpack "
+    "map: the NDJSON records, trajectories in binary frames with their stored payloads as raw "
+    "buffers, and an end record that counts the others (docs/api.md, 'Binary export')"
+)
 
 
 @router.get("", response_model=s.PoolsPublic)
@@ -41,7 +52,20 @@ async def create_pool(body: s.PoolCreate, ctx: ContextDep, who: PrincipalDep, id
     return await idem.run(lambda: svc.create_pool(ctx, body), status_code=201)
 
 
-@router.post("/import", response_model=s.PoolImported, status_code=201)
+@router.post(
+    "/import",
+    response_model=s.PoolImported,
+    status_code=201,
+    # the route reads the raw body itself (either form, told apart by its first byte)
+    openapi_extra=frame_body(
+        None,
+        "An export (GET /v1/pools/{pool}/export) in either form; imported in one transaction.",
+        {
+            _NDJSON: f"The export as NDJSON: {_RECORDS}, one per line.",
+            frames.MEDIA_TYPE: f"The export in its binary form: {_BINARY}.",
+        },
+    ),
+)
 async def import_pool(
     request: Request,
     ctx: ContextDep,
@@ -104,7 +128,18 @@ async def question_detail(
     return await svc.question_detail(ctx, pool, question_id, payload=payload)
 
 
-@router.get("/{pool}/export", response_class=StreamingResponse)
+@router.get(
+    "/{pool}/export",
+    response_class=StreamingResponse,
+    responses=frame_answer(
+        None,
+        description="The pool, as NDJSON unless `Accept` names application/x-msgpack.",
+        forms={
+            _NDJSON: f"By default, as `{{pool}}.ndjson`: {_RECORDS}, one per line.",
+            frames.MEDIA_TYPE: f"With `Accept: {frames.MEDIA_TYPE}`, as `{{pool}}.exgrpo`: {_BINARY}.",
+        },
+    ),
+)
 async def export_pool(request: Request, pool: ReadPool, ctx: ContextDep) -> StreamingResponse:
     """NDJSON, or the binary form when `Accept` names application/x-msgpack (docs/api.md)."""
     binary = frames.wants_frame(request.headers.get("accept"))
