@@ -266,6 +266,12 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
         "request_bytes_p50": med("bytes_out"),
         "response_bytes_p50": med("bytes_in"),
         "samples_ms": [round(float(x), 1) for x in ms],
+        # where the slowest requests' time went (the tail of a p99: in the app, in SQL, in Redis, in
+        # garbage collection, or outside the app: the network, the client, a CPU not free)
+        "slowest": [
+            {k: (None if v is None else round(float(v), 1)) for k, v in vars(x).items() if k.endswith("_ms")}
+            for x in sorted(samples, key=lambda x: -x.ms)[:5]
+        ],
     }
 
 
