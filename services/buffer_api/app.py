@@ -17,7 +17,7 @@ from asyncpg import exceptions as asyncpg_errors
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 from sqlalchemy import text
 from starlette.datastructures import URL, Headers, MutableHeaders
@@ -308,7 +308,9 @@ class Observability:
 async def build_context(settings: Settings, metrics: Metrics | None = None) -> Context:
     if settings.auto_migrate:
         await asyncio.to_thread(dbmod.upgrade, settings.database_url)
-    database = dbmod.Database(settings.database_url, pool_size=settings.db_pool_size)
+    database = dbmod.Database(
+        settings.database_url, pool_size=settings.db_pool_size, shared_file=settings.workers > 1
+    )
     redis_client = None
     index: Any
     if settings.redis_url:
@@ -431,7 +433,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         ctx: Context = request.app.state.ctx
         async with ctx.db.read() as session:
             ctx.metrics.task_queue_depth.set(await repo.queue_depth(session))
-        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/admin/index/rebuild", tags=["ops"])
     async def rebuild(request: Request) -> dict[str, int]:

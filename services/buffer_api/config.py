@@ -124,7 +124,10 @@ class Settings(BaseSettings):
     log_format: Literal["json", "plain"] = "json"
     """Log lines as JSON objects or plain text (exgrpo_client.logs; `exgrpo serve --log-format`)."""
     db_pool_size: int = Field(10, ge=1)
-    """Connections kept open to Postgres."""
+    """Connections kept open to Postgres (per service process)."""
+    workers: int = Field(1, ge=1, le=64)
+    """Service processes of `exgrpo serve`, sharing one listening socket. More than one needs
+    `redis_url`: the in-process sampling index cannot be shared between processes."""
     allow_example_secrets: bool = False
     """Accept the placeholder tokens and database password of .env.example and
     deploy/k8s/secret.yaml (a throwaway demo only); by default the service refuses to start with them."""
@@ -150,6 +153,11 @@ class Settings(BaseSettings):
         if not self.tokens and not self.allow_anonymous:
             raise ValueError(
                 "no way in: set EXGRPO_TOKENS (bearer tokens with scopes) or EXGRPO_ALLOW_ANONYMOUS=true"
+            )
+        if self.workers > 1 and not self.redis_url:
+            raise ValueError(
+                f"workers={self.workers} needs redis_url (EXGRPO_REDIS_URL): the in-process sampling "
+                "index cannot be shared between processes; set a Redis URL or serve with one worker"
             )
         if not self.allow_example_secrets:
             placeholders = [f"the token of {t.name!r}" for t in self.tokens if EXAMPLE_SECRET.search(t.token)]

@@ -1,8 +1,29 @@
-"""Prometheus metrics of the pool service (one registry per app, so tests can build many apps)."""
+"""Prometheus metrics of the pool service (one registry per app, so tests can build many apps).
+
+With several service processes (`exgrpo serve --workers N`) each process writes its values to
+files in PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode, chosen when the variable
+is set before prometheus_client is imported), and `/metrics`, whichever process answers it, reads
+those of every process: counters and histograms are summed. Every gauge here is a snapshot of the
+database (set from counts read after a write, at start-up, or by `/metrics` itself just before it
+answers), so the value of the process that set it last is the current one: `mostrecent`. Not
+`max` (counts also go down: retirements, deletions), not `liveall` (one series per process, most
+of them stale), not a `live` mode (a stopped process's last snapshot stays true until a newer one).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
+
+SNAPSHOT: Literal["mostrecent"] = "mostrecent"
+"""Multiprocess mode of every gauge (the module's docstring says why); ignored in one process."""
+
+
+def multiprocess() -> bool:
+    """prometheus_client writes values to files shared by the processes (decided at its import)."""
+    return values.ValueClass is not values.MutexValue
 
 
 class Metrics:
@@ -41,21 +62,40 @@ class Metrics:
         self.batches_committed = Counter(
             "exgrpo_batches_committed_total", "Batches committed.", ["pool"], registry=r
         )
-        self.pool_questions = Gauge("exgrpo_pool_questions", "Questions in a pool.", ["pool"], registry=r)
+        self.pool_questions = Gauge(
+            "exgrpo_pool_questions", "Questions in a pool.", ["pool"], registry=r, multiprocess_mode=SNAPSHOT
+        )
         self.pool_trajectories = Gauge(
-            "exgrpo_pool_trajectories", "Trajectories in a pool.", ["pool"], registry=r
+            "exgrpo_pool_trajectories",
+            "Trajectories in a pool.",
+            ["pool"],
+            registry=r,
+            multiprocess_mode=SNAPSHOT,
         )
         self.run_eligible = Gauge(
-            "exgrpo_run_eligible", "Replay-eligible questions.", ["pool", "run"], registry=r
+            "exgrpo_run_eligible",
+            "Replay-eligible questions.",
+            ["pool", "run"],
+            registry=r,
+            multiprocess_mode=SNAPSHOT,
         )
-        self.run_retired = Gauge("exgrpo_run_retired", "Retired questions.", ["pool", "run"], registry=r)
+        self.run_retired = Gauge(
+            "exgrpo_run_retired",
+            "Retired questions.",
+            ["pool", "run"],
+            registry=r,
+            multiprocess_mode=SNAPSHOT,
+        )
         self.run_solved = Gauge(
             "exgrpo_run_solved_fraction",
             "Solved fraction of the last committed batch.",
             ["pool", "run"],
             registry=r,
+            multiprocess_mode=SNAPSHOT,
         )
-        self.task_queue_depth = Gauge("exgrpo_task_queue_depth", "Pending generation tasks.", registry=r)
+        self.task_queue_depth = Gauge(
+            "exgrpo_task_queue_depth", "Pending generation tasks.", registry=r, multiprocess_mode=SNAPSHOT
+        )
         self.lease_expiries = Counter(
             "exgrpo_task_lease_expiries_total", "Tasks taken over after their lease ran out.", registry=r
         )
@@ -73,3 +113,12 @@ class Metrics:
             registry=r,
         )
         self.index_rebuilds = Counter("exgrpo_index_rebuilds_total", "Index rebuilds.", registry=r)
+
+    def exposition(self) -> bytes:
+        """The text `/metrics` answers: this app's registry, or in multiprocess mode the values
+        every process of the service wrote."""
+        if not multiprocess():
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return generate_latest(registry)

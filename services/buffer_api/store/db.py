@@ -70,14 +70,20 @@ _shared: ContextVar[_Shared | None] = ContextVar("exgrpo_shared_transaction", de
 class Database:
     """Owns the engine. `write()` opens one transaction; on SQLite writes are serialised in
     process (SQLite allows one writer at a time and would otherwise answer `database is locked`).
-    Inside `transaction()` every `write()` and `read()` joins that one transaction instead."""
+    Inside `transaction()` every `write()` and `read()` joins that one transaction instead.
 
-    def __init__(self, url: str, *, pool_size: int = 10) -> None:
+    `shared_file`: other processes write the same SQLite file (`exgrpo serve --workers N`). Python's
+    sqlite3 begins a transaction at its first INSERT/UPDATE/DELETE, so the reads of a write block
+    before it could miss what another process commits meanwhile; with this every `write()` takes
+    SQLite's write lock when it begins (BEGIN IMMEDIATE, waiting up to the busy timeout)."""
+
+    def __init__(self, url: str, *, pool_size: int = 10, shared_file: bool = False) -> None:
         self.url = url
         self.engine = make_engine(url, pool_size=pool_size)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self.is_sqlite = self.engine.dialect.name == "sqlite"
         self._write_lock = asyncio.Lock() if self.is_sqlite else None
+        self._begin_immediate = self.is_sqlite and shared_file
         u = make_url(url)
         #: a SQLite file: its WAL is checkpointed in the background after writes
         self._wal = self.is_sqlite and bool(u.database) and u.database != ":memory:"
@@ -98,6 +104,10 @@ class Database:
             return
         lock = self._write_lock or contextlib.nullcontext()
         async with lock, self.sessions() as session, session.begin():
+            if self._begin_immediate:
+                # sqlite3 sees the transaction open and issues no BEGIN of its own; COMMIT and
+                # ROLLBACK end it as usual
+                await (await session.connection()).exec_driver_sql("BEGIN IMMEDIATE")
             yield session
         faults.committed()
         if self._wal:
