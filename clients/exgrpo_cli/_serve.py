@@ -9,13 +9,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import multiprocessing.process
 import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
+from prometheus_client import values as prometheus_values
 
 from exgrpo_client import AsyncClient, NotFound
 from exgrpo_client import schemas as s
@@ -59,9 +67,113 @@ def serve(settings: Settings, *, demo: bool, demo_data: Path | None, log_setting
     configure_logging(settings.log_format, settings.log_level)
     if log_settings:
         log.info("pool service settings", extra=fields(**settings.public_dict()))
+    if settings.workers > 1:
+        raise SystemExit(serve_workers(settings, demo=demo, demo_data=demo_data))
     # uvicorn shuts down gracefully, then re-raises the Ctrl-C it caught: that is a clean stop
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(settings, demo=demo, demo_data=demo_data))
+
+
+# ------------------------------------------------------------------- several service processes
+#: how long the workers get to finish their requests after a stop, before they are killed
+STOP_GRACE_S = 30.0
+
+
+def serve_workers(settings: Settings, *, demo: bool, demo_data: Path | None) -> int:
+    """`settings.workers` service processes on one listening socket; answers the exit status.
+
+    This process migrates the database once, binds the socket, forks the workers (each serving
+    the socket with uvicorn; forked before any event loop or database connection exists here, and
+    without the resource-tracker process a spawned start would add) and watches them. SIGTERM or SIGINT stops
+    them all (each finishes its requests); a worker that dies stops the others too, and the status
+    is then 1: a service with a process missing would answer some clients and not others, so it
+    stops for its supervisor (systemd, Kubernetes, compose) to restart it whole. Metrics go
+    through prometheus_client's multiprocess mode, in a directory made here and removed at the end.
+    """
+    if settings.auto_migrate:
+        dbmod.upgrade(settings.database_url)
+    sock = socket.create_server((settings.host, settings.port), backlog=2048)
+    sock.set_inheritable(True)
+    metrics_dir = tempfile.mkdtemp(prefix="exgrpo-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    worker_settings = settings.model_copy(update={"auto_migrate": False})
+    fork = multiprocessing.get_context("fork")
+    stopping = threading.Event()
+
+    def stop(_signum: int, _frame: object) -> None:
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    procs: list[multiprocessing.process.BaseProcess] = []
+    proc: multiprocessing.process.BaseProcess
+    status = 0
+    try:
+        for _ in range(settings.workers):
+            proc = fork.Process(target=_worker, args=(worker_settings, sock), daemon=False)
+            proc.start()
+            procs.append(proc)
+        log.info(
+            "pool service: %d workers on %s:%d",
+            settings.workers,
+            settings.host,
+            settings.port,
+            extra=fields(workers=[p.pid for p in procs]),
+        )
+        if demo:
+            asyncio.run(_seed_demo_in_parent(worker_settings, demo_data))
+        while not stopping.wait(0.2):
+            dead = [p for p in procs if p.exitcode is not None]
+            if dead:
+                for p in dead:
+                    log.error("worker %s exited (%s): stopping the service", p.pid, _exit_reason(p.exitcode))
+                status = 1
+                break
+    finally:
+        for proc in procs:
+            if proc.exitcode is None and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            proc.join(STOP_GRACE_S)
+            if proc.exitcode is None:
+                log.warning("worker %s did not stop in %.0f s: killed", proc.pid, STOP_GRACE_S)
+                proc.kill()
+                proc.join()
+        sock.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("pool service stopped")
+    return status
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        return signal.Signals(-code).name
+    return f"status {code}"
+
+
+def _worker(settings: Settings, sock: socket.socket) -> None:
+    """One service process: the app on the shared socket until SIGTERM or SIGINT."""
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the parent's handlers came with the fork
+        signal.signal(sig, signal.SIG_DFL)
+    # prometheus_client chose its in-process values when the parent imported it: this process
+    # writes its values to the shared directory instead, as an import with the variable set does
+    prometheus_values.ValueClass = prometheus_values.MultiProcessValue()
+    configure_logging(settings.log_format, settings.log_level)
+    app = create_app(settings, freeze_heap=True)
+    config = uvicorn.Config(app, log_level=settings.log_level.lower(), log_config=None, access_log=False)
+    # uvicorn catches SIGINT and SIGTERM, finishes its requests and returns; a Ctrl-C it re-raises
+    # after that is the clean stop it was asked for
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run(sockets=[sock])
+
+
+async def _seed_demo_in_parent(settings: Settings, demo_data: Path | None) -> None:
+    """The demo pool, created by this process through an app of its own (no socket)."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        await _seed_demo(app, settings, demo_data)
 
 
 async def _serve(settings: Settings, *, demo: bool, demo_data: Path | None) -> None:

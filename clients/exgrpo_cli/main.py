@@ -130,6 +130,14 @@ def serve(
             "shipped with the CLI); its first 200 distinct questions are used."
         ),
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Service processes on one socket (EXGRPO_WORKERS, default 1); more than one needs "
+            "--redis-url.",
+        ),
+    ] = None,
     as_json: render.JsonOption = False,
     log_format: render.LogFormatOption = None,
 ) -> None:
@@ -144,6 +152,7 @@ def serve(
         redis_url=redis_url,
         allow_anonymous=anonymous,
         log_format=log_format,
+        workers=workers,
     )
     # the settings: a table in plain logs, one JSON line with --json, else a log record (so that
     # every line of a json-logging service is a record)
