@@ -11,6 +11,8 @@ Besides the plain service it can, for the benchmark only:
   freeze_heap=False)``), to measure what the freeze changes.
 * ``EXGRPO_BENCH_PROFILE=<file>``: SIGUSR1 starts cProfile on the event-loop thread, SIGUSR2
   stops it and writes the stats to ``<file>``.
+* ``EXGRPO_WORKERS=N`` (``pool_bench.py --service-workers N``): N service processes as
+  ``exgrpo serve --workers N`` runs them, without any of the hooks above.
 
 Usage: ``EXGRPO_DATABASE_URL=... EXGRPO_ALLOW_ANONYMOUS=true python bench/_serve.py``.
 """
@@ -153,6 +155,12 @@ def _install_profiler(path: str) -> None:
 
 def main() -> None:
     settings = Settings()
+    if settings.workers > 1:
+        # `exgrpo serve --workers N` as it is: no Server-Timing, SQL log or profiler (they are
+        # per process), and the benchmark's per-request CPU counts the parent only
+        from exgrpo_cli._serve import serve_workers
+
+        raise SystemExit(serve_workers(settings, demo=False, demo_data=None))
     app: Any = create_app(settings, freeze_heap=os.environ.get("EXGRPO_BENCH_FREEZE_HEAP", "1") == "1")
     if os.environ.get("EXGRPO_BENCH_TIMING") == "1":
         _install_sql_timer()

@@ -110,6 +110,10 @@ class Server:
                 self.proc.wait()
 
 
+#: service processes (`--service-workers`; the floor is always one)
+SERVICE_WORKERS = 1
+
+
 def start_server(
     env_extra: dict[str, str], log_path: Path, profile_path: Path | None, script: Path = SERVE
 ) -> Server:
@@ -125,6 +129,8 @@ def start_server(
     )
     if profile_path is not None:
         env["EXGRPO_BENCH_PROFILE"] = str(profile_path)
+    if script == SERVE and SERVICE_WORKERS > 1:
+        env["EXGRPO_WORKERS"] = str(SERVICE_WORKERS)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "wb") as logf:
@@ -1295,6 +1301,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mix", type=float, default=0.0, metavar="SECONDS", help="run the 50-client mix so long")
     ap.add_argument("--mix-only", action="store_true", help="start the service and run only the mix")
     ap.add_argument(
+        "--service-workers",
+        type=int,
+        default=1,
+        help="service processes (exgrpo serve --workers N; needs Redis, so Postgres only here; "
+        "no Server-Timing, and the CPU columns count the parent only)",
+    )
+    ap.add_argument(
         "--floor",
         action="store_true",
         help="only select, plan, commit and ingest, interleaved with the floor (bench/_floor.py) on a copy",
@@ -1320,7 +1333,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global SERVICE_WORKERS
     args = parse(argv)
+    SERVICE_WORKERS = args.service_workers
     quick = args.quick
     opts = Options(
         iterations=args.iterations or (15 if quick else 60),
