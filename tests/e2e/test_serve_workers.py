@@ -178,6 +178,25 @@ def redis_prefix() -> Iterator[str]:
         client.close()
 
 
+@contextlib.contextmanager
+def two_workers_on_postgres(tmp_path: Path, redis_prefix: str) -> Iterator[Service]:
+    """`exgrpo serve --workers 2` on a fresh Postgres database and Redis."""
+    with (
+        fresh_database() as database_url,
+        serve(
+            tmp_path,
+            "--workers",
+            "2",
+            "--database-url",
+            database_url,
+            "--redis-url",
+            REDIS_URL,
+            env={"EXGRPO_REDIS_PREFIX": redis_prefix},
+        ) as service,
+    ):
+        yield service
+
+
 # ------------------------------------------------------------------------------ the tests
 POOL = {"name": "p", "description": "", "config": {"k": 4, "batch_size": 2}}
 
@@ -218,19 +237,7 @@ def connections_per_worker(service: Service, workers: set[int]) -> dict[int, htt
 
 
 def test_two_workers_on_postgres_and_redis(tmp_path: Path, redis_prefix: str) -> None:
-    with (
-        fresh_database() as database_url,
-        serve(
-            tmp_path,
-            "--workers",
-            "2",
-            "--database-url",
-            database_url,
-            "--redis-url",
-            REDIS_URL,
-            env={"EXGRPO_REDIS_PREFIX": redis_prefix},
-        ) as service,
-    ):
+    with two_workers_on_postgres(tmp_path, redis_prefix) as service:
         workers = service.wait_ready(2)
         assert len(workers) == 2, workers
         held = connections_per_worker(service, workers)
@@ -263,19 +270,7 @@ def test_two_workers_on_postgres_and_redis(tmp_path: Path, redis_prefix: str) ->
 
 
 def test_ctrl_c_stops_every_worker(tmp_path: Path, redis_prefix: str) -> None:
-    with (
-        fresh_database() as database_url,
-        serve(
-            tmp_path,
-            "--workers",
-            "2",
-            "--database-url",
-            database_url,
-            "--redis-url",
-            REDIS_URL,
-            env={"EXGRPO_REDIS_PREFIX": redis_prefix},
-        ) as service,
-    ):
+    with two_workers_on_postgres(tmp_path, redis_prefix) as service:
         workers = service.wait_ready(2)
         os.killpg(service.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         assert service.wait_exit() == 0, service.text()[-3000:]
@@ -284,19 +279,7 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path, redis_prefix: str) -> None:
 
 
 def test_a_dead_worker_stops_the_service(tmp_path: Path, redis_prefix: str) -> None:
-    with (
-        fresh_database() as database_url,
-        serve(
-            tmp_path,
-            "--workers",
-            "2",
-            "--database-url",
-            database_url,
-            "--redis-url",
-            REDIS_URL,
-            env={"EXGRPO_REDIS_PREFIX": redis_prefix},
-        ) as service,
-    ):
+    with two_workers_on_postgres(tmp_path, redis_prefix) as service:
         workers = service.wait_ready(2)
         victim = min(workers)
         os.kill(victim, signal.SIGKILL)
