@@ -112,6 +112,8 @@ class Server:
 
 #: service processes (`--service-workers`; the floor is always one)
 SERVICE_WORKERS = 1
+#: the service's max_active_requests (None: its default)
+MAX_ACTIVE: int | None = None
 
 
 def start_server(
@@ -131,6 +133,8 @@ def start_server(
         env["EXGRPO_BENCH_PROFILE"] = str(profile_path)
     if script == SERVE and SERVICE_WORKERS > 1:
         env["EXGRPO_WORKERS"] = str(SERVICE_WORKERS)
+    if script == SERVE and MAX_ACTIVE is not None:
+        env["EXGRPO_MAX_ACTIVE_REQUESTS"] = str(MAX_ACTIVE)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "wb") as logf:
@@ -1308,6 +1312,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "no Server-Timing, and the CPU columns count the parent only)",
     )
     ap.add_argument(
+        "--max-active",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the service's max_active_requests (requests worked on at once; 0: no limit; default: "
+        "the service's own)",
+    )
+    ap.add_argument(
         "--floor",
         action="store_true",
         help="only select, plan, commit and ingest, interleaved with the floor (bench/_floor.py) on a copy",
@@ -1333,9 +1345,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global SERVICE_WORKERS
+    global SERVICE_WORKERS, MAX_ACTIVE
     args = parse(argv)
     SERVICE_WORKERS = args.service_workers
+    MAX_ACTIVE = args.max_active
     quick = args.quick
     opts = Options(
         iterations=args.iterations or (15 if quick else 60),

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exgrpo_pool import faults
+from exgrpo_pool.admission import Admission
 from exgrpo_pool.api.contract import allowed_methods, install_openapi
 from exgrpo_pool.api.routes import batches, dashboard, docs, pools, runs
 from exgrpo_pool.config import Settings
@@ -399,6 +400,8 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         redoc_url=None,
     )
     install_handlers(app)
+    if settings.max_active_requests:
+        app.add_middleware(Admission, limit=settings.max_active_requests, waiting=metrics.requests_waiting)
     app.add_middleware(Observability, metrics=metrics)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes, import_limit=settings.max_import_bytes)
     if faults.enabled():

@@ -125,6 +125,11 @@ class Settings(BaseSettings):
     """Log lines as JSON objects or plain text (exgrpo_client.logs; `exgrpo serve --log-format`)."""
     db_pool_size: int = Field(10, ge=1)
     """Connections kept open to Postgres (per service process)."""
+    max_active_requests: int = Field(8, ge=0)
+    """Requests a service process handles at once (0: no limit); the rest wait in arrival order.
+    All of a process's requests share one event loop, and a write holds the database's write lock
+    across its statements: with many requests in flight, each of its statements waits behind all
+    of them (the 50-client benchmark on SQLite: commits waited ~10 s)."""
     workers: int = Field(1, ge=1, le=64)
     """Service processes of `exgrpo serve`, sharing one listening socket. More than one needs
     `redis_url`: the in-process sampling index cannot be shared between processes."""

@@ -37,6 +37,12 @@ class Metrics:
             registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
+        self.requests_waiting = Gauge(
+            "exgrpo_http_requests_waiting",
+            "Requests waiting for their turn (max_active_requests are worked on at once).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.trajectories_ingested = Counter(
             "exgrpo_trajectories_ingested_total",
             "Trajectories stored (after de-duplication).",

@@ -20,6 +20,7 @@ from .factories import (
     rollout,
     setup_pool,
 )
+from .harness import Backend, serve
 
 
 async def _mixed_plan_with_tasks(client: httpx.AsyncClient) -> dict[str, Any]:
@@ -249,6 +250,25 @@ async def test_results_long_poll_returns_complete_groups(client: httpx.AsyncClie
     assert result["collected_groups"] == B and result["step"] == 2
     status = await _status(client, plan)
     assert status["status"] == "committed" and status["result"] == result
+
+
+async def test_the_results_long_poll_gives_its_place_up_while_it_waits(backend: Backend) -> None:
+    """With one request worked on at a time (max_active_requests=1), the workers' completions are
+    served while the trainer long-polls: a poll that kept its place would see none of them before
+    its deadline and answer incomplete."""
+    async with serve(backend.settings(max_active_requests=1)) as client:
+        plan = await _mixed_plan_with_tasks(client)
+        tasks = await _claim(client, "w", 100)
+
+        async def workers() -> None:
+            await asyncio.sleep(0.1)
+            for t in tasks:
+                ok(await _complete(client, t))
+
+        url = f"/v1/pools/p1/batches/{plan['id']}/results"
+        polled, _ = await asyncio.gather(client.get(url, params={"wait": 30}), workers())
+        results = ok(polled)
+        assert results["complete"] is True and len(results["groups"]) == len(tasks)
 
 
 async def test_results_long_poll_ends_when_a_task_failed_for_good(client: httpx.AsyncClient) -> None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from datetime import timedelta
 
 from exgrpo_client import schemas as s
+from exgrpo_pool import admission
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
 from exgrpo_pool.service.batches import _batch_and_run
 from exgrpo_pool.service.context import Context
@@ -214,7 +214,8 @@ async def batch_results(ctx: Context, pool: Pool, batch_id: str, wait: float) ->
         settled = all(t.status in ("completed", "failed") for t in tasks)
         if settled or time.monotonic() >= deadline:
             break
-        await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        # others' requests (the workers completing these tasks) take this one's place meanwhile
+        await admission.idle(min(0.2, max(0.0, deadline - time.monotonic())))
     groups = [
         s.TaskGroupResult(
             question_id=t.question_id,
