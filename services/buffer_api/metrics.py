@@ -3,11 +3,13 @@
 With several service processes (`exgrpo serve --workers N`) each process writes its values to
 files in PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode, chosen when the variable
 is set before prometheus_client is imported), and `/metrics`, whichever process answers it, reads
-those of every process: counters and histograms are summed. Every gauge here is a snapshot of the
-database (set from counts read after a write, at start-up, or by `/metrics` itself just before it
-answers), so the value of the process that set it last is the current one: `mostrecent`. Not
-`max` (counts also go down: retirements, deletions), not `liveall` (one series per process, most
-of them stale), not a `live` mode (a stopped process's last snapshot stays true until a newer one).
+those of every process: counters and histograms are summed. The gauges made by `snapshot` are
+snapshots of the database (set from counts read after a write, at start-up, or by `/metrics`
+itself just before it answers), so the value of the process that set it last is the current one:
+`mostrecent`. Not `max` (counts also go down: retirements, deletions), not `liveall` (one series
+per process, most of them stale), not a `live` mode (a stopped process's last snapshot stays true
+until a newer one). The one gauge of a process's own state, the requests waiting for their turn,
+is summed over the live processes (`livesum`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.multiprocess import MultiProcessCollector
 
 SNAPSHOT: Literal["mostrecent"] = "mostrecent"
-"""Multiprocess mode of every gauge (the module's docstring says why); ignored in one process."""
+"""Multiprocess mode of the database's snapshots (the module's docstring says why); ignored in one
+process."""
+
+
+def snapshot(name: str, doc: str, labels: tuple[str, ...], registry: CollectorRegistry) -> Gauge:
+    """A gauge of a count read from the database (multiprocess mode `SNAPSHOT`)."""
+    return Gauge(name, doc, labels, registry=registry, multiprocess_mode=SNAPSHOT)
 
 
 def multiprocess() -> bool:
@@ -68,40 +76,14 @@ class Metrics:
         self.batches_committed = Counter(
             "exgrpo_batches_committed_total", "Batches committed.", ["pool"], registry=r
         )
-        self.pool_questions = Gauge(
-            "exgrpo_pool_questions", "Questions in a pool.", ["pool"], registry=r, multiprocess_mode=SNAPSHOT
+        self.pool_questions = snapshot("exgrpo_pool_questions", "Questions in a pool.", ("pool",), r)
+        self.pool_trajectories = snapshot("exgrpo_pool_trajectories", "Trajectories in a pool.", ("pool",), r)
+        self.run_eligible = snapshot("exgrpo_run_eligible", "Replay-eligible questions.", ("pool", "run"), r)
+        self.run_retired = snapshot("exgrpo_run_retired", "Retired questions.", ("pool", "run"), r)
+        self.run_solved = snapshot(
+            "exgrpo_run_solved_fraction", "Solved fraction of the last committed batch.", ("pool", "run"), r
         )
-        self.pool_trajectories = Gauge(
-            "exgrpo_pool_trajectories",
-            "Trajectories in a pool.",
-            ["pool"],
-            registry=r,
-            multiprocess_mode=SNAPSHOT,
-        )
-        self.run_eligible = Gauge(
-            "exgrpo_run_eligible",
-            "Replay-eligible questions.",
-            ["pool", "run"],
-            registry=r,
-            multiprocess_mode=SNAPSHOT,
-        )
-        self.run_retired = Gauge(
-            "exgrpo_run_retired",
-            "Retired questions.",
-            ["pool", "run"],
-            registry=r,
-            multiprocess_mode=SNAPSHOT,
-        )
-        self.run_solved = Gauge(
-            "exgrpo_run_solved_fraction",
-            "Solved fraction of the last committed batch.",
-            ["pool", "run"],
-            registry=r,
-            multiprocess_mode=SNAPSHOT,
-        )
-        self.task_queue_depth = Gauge(
-            "exgrpo_task_queue_depth", "Pending generation tasks.", registry=r, multiprocess_mode=SNAPSHOT
-        )
+        self.task_queue_depth = snapshot("exgrpo_task_queue_depth", "Pending generation tasks.", (), r)
         self.lease_expiries = Counter(
             "exgrpo_task_lease_expiries_total", "Tasks taken over after their lease ran out.", registry=r
         )

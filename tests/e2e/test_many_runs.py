@@ -14,13 +14,11 @@ Every trainer of one run writes to one output folder, as the compose and k8s fil
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +32,8 @@ import redis
 
 # tests/ is on sys.path (its conftest.py has no package): the trainer and service tests' helpers
 from distributed._helpers import HELD_PARITY, HOLD_ENV, child_env, make_pool, read_metrics, run_overrides
-from service.harness import PG_HOST, PG_PORT, PG_USER, REDIS_URL, delete_prefix, pg_admin
+from faults.procs import free_port
+from service.harness import REDIS_URL, delete_prefix, fresh_pg_database
 
 from exgrpo_client import Client
 from exgrpo_onebox.tiny import build_tiny_model
@@ -47,16 +46,6 @@ COMPARED = ("batch/solved", "loss/total", "actor/entropy")
 
 
 # ------------------------------------------------------------------------------ the service
-@contextlib.contextmanager
-def _fresh_database() -> Iterator[str]:
-    name = f"exgrpo_e2e_{secrets.token_hex(6)}"
-    asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
-    finally:
-        asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-
-
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -65,12 +54,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -83,7 +66,7 @@ def _service(database_url: str, log: Path) -> Iterator[str]:
     upgrade = [str(EXGRPO), "db", "upgrade", "--database-url", database_url]
     done = subprocess.run(upgrade, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    port = _free_port()
+    port = free_port()
     command = [str(EXGRPO), "serve", "--anonymous", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--database-url", database_url, "--redis-url", REDIS_URL]
     url = f"http://127.0.0.1:{port}"
@@ -188,7 +171,10 @@ def test_three_trainers_on_one_service(tmp_path: Path) -> None:
     hold = tmp_path / "hold-a1"
     hold.touch()
     outs = {run: tmp_path / f"out-{run}" for run in ("a1", "a2", "p1")}
-    with _fresh_database() as database_url, _service(database_url, tmp_path / "service.log") as url:
+    with (
+        fresh_pg_database("exgrpo_e2e") as database_url,
+        _service(database_url, tmp_path / "service.log") as url,
+    ):
         with Client(url) as client:
             make_pool(client, "shared", start_threshold=0.2)
             _solo_pool(client)

@@ -22,7 +22,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,8 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from service.harness import PG_HOST, PG_PORT, PG_USER, REDIS_URL, delete_prefix, pg_admin
+from faults.procs import free_port
+from service.harness import REDIS_URL, delete_prefix, fresh_pg_database
 
 from exgrpo_pool.store.db import MIGRATIONS_DIR
 
@@ -92,23 +92,6 @@ def server_side_owner(pids: set[int], server_port: int, client_port: int) -> int
                     if os.readlink(fd) in inodes:
                         return pid
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def fresh_database() -> Iterator[str]:
-    """An empty Postgres database (not migrated), dropped afterwards."""
-    name = f"exgrpo_workers_{secrets.token_hex(6)}"
-    asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
-    finally:
-        asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @dataclass
@@ -182,7 +165,7 @@ def redis_prefix() -> Iterator[str]:
 def two_workers_on_postgres(tmp_path: Path, redis_prefix: str) -> Iterator[Service]:
     """`exgrpo serve --workers 2` on a fresh Postgres database and Redis."""
     with (
-        fresh_database() as database_url,
+        fresh_pg_database("exgrpo_workers") as database_url,
         serve(
             tmp_path,
             "--workers",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+import secrets
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,19 @@ async def pg_admin(sql: str) -> None:
         await conn.execute(sql)
     finally:
         await conn.close()
+
+
+@contextlib.contextmanager
+def fresh_pg_database(prefix: str) -> Iterator[str]:
+    """The URL of an empty Postgres database (not migrated) named `prefix` + a random suffix,
+    dropped afterwards. For tests that start service processes of their own (no event loop runs
+    here: each statement gets its own)."""
+    name = f"{prefix}_{secrets.token_hex(6)}"
+    asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
+    try:
+        yield f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
+    finally:
+        asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def delete_prefix(client: redis.Redis, prefix: str) -> None:
