@@ -114,10 +114,20 @@ def _one(driver: WebDriver, what: str, selector: str, timeout: float = 15) -> We
     )
 
 
-def _click(driver: WebDriver, element: WebElement) -> None:
-    """Clicks an element scrolled to the middle of the window (clear of the sticky top bar)."""
-    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
-    element.click()
+def _click(driver: WebDriver, what: str, selector: str) -> None:
+    """Clicks the element `selector` finds, scrolled to the middle of the window (clear of the
+    sticky top bar). The page re-renders lists while it refreshes, so an element found a moment
+    ago can be gone by the click: the lookup and the click are retried together until one lands."""
+
+    def click(d: WebDriver) -> bool:
+        found = _css(d, selector)
+        if not found or not found[0].is_displayed():
+            return False
+        d.execute_script("arguments[0].scrollIntoView({block: 'center'})", found[0])
+        found[0].click()
+        return True
+
+    _wait(driver, what, click)
 
 
 def _points(driver: WebDriver, chart: str) -> int:
@@ -165,7 +175,7 @@ def test_page_with_a_bearer_token_and_empty_states(
 
         # with the read token, kept in localStorage, the pools load
         browser.find_element(By.ID, "token-input").send_keys(READ_TOKEN)
-        _click(browser, browser.find_element(By.ID, "token-save"))
+        _click(browser, "the token-save button", "#token-save")
         _one(browser, "the pool list", '[data-testid=pool-item][data-pool="empty-pool"]')
         assert not browser.find_element(By.ID, "error-banner").is_displayed()
         assert browser.execute_script("return localStorage.getItem('exgrpo.dashboard.token')") == READ_TOKEN
@@ -181,7 +191,7 @@ def test_page_with_a_bearer_token_and_empty_states(
 
         # a question that does not exist: the 404 problem detail is shown
         browser.find_element(By.ID, "question-id-input").send_keys("987654")
-        _click(browser, browser.find_element(By.ID, "goto-button"))
+        _click(browser, "the go-to button", "#goto-button")
         _wait(
             browser,
             "the 404 error",
@@ -191,13 +201,13 @@ def test_page_with_a_bearer_token_and_empty_states(
 
         # a wrong token is refused, clearing it goes back to anonymous (refused here)
         browser.find_element(By.ID, "token-input").send_keys("not-a-real-token-at-all")
-        _click(browser, browser.find_element(By.ID, "token-save"))
+        _click(browser, "the token-save button", "#token-save")
         _wait(
             browser,
             "the unknown-token error",
             lambda d: "unknown bearer token" in d.find_element(By.ID, "error-banner").text,
         )
-        _click(browser, browser.find_element(By.ID, "token-clear"))
+        _click(browser, "the token-clear button", "#token-clear")
         _wait(
             browser,
             "the anonymous 401",
@@ -246,8 +256,8 @@ def test_dashboard_shows_a_real_training_run(
 
         started = time.monotonic()
         browser.get(f"{srv.url}/dashboard")
-        _click(browser, _one(browser, "the pool", f'[data-testid=pool-item][data-pool="{pool}"]'))
-        _click(browser, _one(browser, "the run", f'[data-testid=run-item][data-run="{run}"]'))
+        _click(browser, "the pool", f'[data-testid=pool-item][data-pool="{pool}"]')
+        _click(browser, "the run", f'[data-testid=run-item][data-run="{run}"]')
         _wait(browser, "the solved chart", lambda d: _points(d, "solved") > 0)
 
         # charts carry their data: one point per step, two held-out accuracies, buckets, IS weights
@@ -286,12 +296,12 @@ def test_dashboard_shows_a_real_training_run(
         prompt = known.prompt[-1].content
         box = browser.find_element(By.ID, "question-search")
         box.send_keys(prompt)
-        _click(browser, browser.find_element(By.ID, "search-button"))
+        _click(browser, "the search button", "#search-button")
         _wait(
             browser, "the search", lambda d: "Matches for" in d.find_element(By.ID, "questions-status").text
         )
         assert len(_css(browser, "[data-testid=question-row]")) == 1
-        _click(browser, _one(browser, "the search hit", f'[data-testid=question-row][data-qid="{known.id}"]'))
+        _click(browser, "the search hit", f'[data-testid=question-row][data-qid="{known.id}"]')
         _wait(
             browser,
             "the question detail",
@@ -323,7 +333,7 @@ def test_dashboard_shows_a_real_training_run(
             "the linked question",
             lambda d: d.find_element(By.ID, "question-gold").text == known.ground_truth,
         )
-        _click(browser, browser.find_element(By.ID, "eligible-button"))
+        _click(browser, "the eligible button", "#eligible-button")
         _wait(
             browser,
             "the eligible sample",
@@ -437,12 +447,10 @@ def test_runs_of_a_pool_side_by_side(browser: WebDriver, start_live_server: Any,
             assert float(p.get_attribute("data-last") or "nan") == pytest.approx(want, rel=1e-12)
 
         # one run less: its curve goes, the link says which runs are compared; a chart more
-        _click(
-            browser, browser.find_element(By.CSS_SELECTOR, '[data-testid=compare-toggle][data-run="run-b"]')
-        )
+        _click(browser, "the run-b toggle", '[data-testid=compare-toggle][data-run="run-b"]')
         _wait(browser, "run-b left out", lambda d: set(_compare_paths(d, 0)) == {"run-a"})
         assert "cmp=run-a" in browser.current_url
-        _click(browser, browser.find_element(By.ID, "compare-add"))
+        _click(browser, "the compare-add button", "#compare-add")
         _wait(browser, "a third chart", lambda d: len(_css(d, "[data-testid=compare-chart]")) == 3)
 
         # CSV export: every stored metric of the compared runs, one row per run and step
@@ -451,11 +459,9 @@ def test_runs_of_a_pool_side_by_side(browser: WebDriver, start_live_server: Any,
         browser.execute_cdp_cmd(
             "Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)}
         )
-        _click(
-            browser, browser.find_element(By.CSS_SELECTOR, '[data-testid=compare-toggle][data-run="run-b"]')
-        )
+        _click(browser, "the run-b toggle", '[data-testid=compare-toggle][data-run="run-b"]')
         _wait(browser, "run-b back", lambda d: len(_compare_paths(d, 0)) == 2)
-        _click(browser, browser.find_element(By.ID, "compare-csv"))
+        _click(browser, "the compare-csv button", "#compare-csv")
         target = downloads / f"{pool}-runs.csv"
         _wait(browser, "the CSV download", lambda d: target.is_file() and target.stat().st_size > 0)
         with target.open(newline="") as f:
