@@ -369,9 +369,30 @@ def _ema(values: list[float], weight: float) -> list[float]:
     return out
 
 
-def _compare_paths(driver: WebDriver, chart: int) -> dict[str, WebElement]:
-    found = _css(driver, f'[data-testid=compare-chart][data-chart="{chart}"] path.series')
-    return {p.get_attribute("data-run") or "": p for p in found}
+def _compare_paths(driver: WebDriver, chart: int) -> dict[str, dict[str, str]]:
+    """The data attributes of each run's curve in a compare chart, read in one script: the page
+    redraws its charts and tables on every poll, so elements looked up one by one can go stale."""
+    found: dict[str, dict[str, str]] = driver.execute_script(
+        "const out = {};"
+        "for (const p of document.querySelectorAll(arguments[0])) out[p.dataset.run || ''] = {...p.dataset};"
+        "return out;",
+        f'[data-testid=compare-chart][data-chart="{chart}"] path.series',
+    )
+    return found
+
+
+def _runs_table(driver: WebDriver) -> dict[str, dict[str, Any]]:
+    """Each row of the runs table (its cells by column, and whether it is compared), read in one script."""
+    rows: dict[str, dict[str, Any]] = driver.execute_script(
+        "const out = {};"
+        "for (const tr of document.querySelectorAll('[data-testid=run-row]')) {"
+        "  const row = {compared: tr.querySelector('[data-testid=compare-toggle]').checked};"
+        "  for (const td of tr.querySelectorAll('[data-col]')) row[td.dataset.col] = td.textContent;"
+        "  out[tr.dataset.run] = row;"
+        "}"
+        "return out;"
+    )
+    return rows
 
 
 def test_runs_of_a_pool_side_by_side(browser: WebDriver, start_live_server: Any, tmp_path: Path) -> None:
@@ -405,35 +426,35 @@ def test_runs_of_a_pool_side_by_side(browser: WebDriver, start_live_server: Any,
         _one(browser, "the runs table", '[data-testid=run-row][data-run="run-b"]')
 
         # the run table: each run's config and state, both runs compared by default
-        def cell(run: str, col: str) -> str:
-            return browser.find_element(
-                By.CSS_SELECTOR, f'[data-testid=run-row][data-run="{run}"] [data-col={col}]'
-            ).text
-
-        assert [cell(r, "step") for r in ("run-a", "run-b")] == ["3", "3"]
-        assert [cell(r, "seed") for r in ("run-a", "run-b")] == ["0", "5"]
-        assert cell("run-a", "ratio") == "0.500 (pool)" and cell("run-b", "ratio") == "0.250"
-        assert all(t.is_selected() for t in _css(browser, "[data-testid=compare-toggle]"))
+        table = _runs_table(browser)
+        assert [table[r]["step"] for r in ("run-a", "run-b")] == ["3", "3"]
+        assert [table[r]["seed"] for r in ("run-a", "run-b")] == ["0", "5"]
+        assert table["run-a"]["ratio"] == "0.500 (pool)" and table["run-b"]["ratio"] == "0.250"
+        assert all(row["compared"] for row in table.values())
 
         # overlaid curves, one per run; every stored metric can be chosen
         _wait(browser, "the compared curves", lambda d: len(_compare_paths(d, 0)) == 2)
         paths = _compare_paths(browser, 0)
-        assert {p.get_attribute("data-metric") for p in paths.values()} == {"batch/solved"}
-        assert all(p.get_attribute("data-points") == "3" for p in paths.values())
-        select = Select(
-            browser.find_element(By.CSS_SELECTOR, '[data-testid=compare-chart][data-chart="0"] select')
+        assert {p["metric"] for p in paths.values()} == {"batch/solved"}
+        assert all(p["points"] == "3" for p in paths.values())
+        metric_select = '[data-testid=compare-chart][data-chart="0"] select'
+        options = browser.execute_script(
+            "return [...document.querySelector(arguments[0]).options].map((o) => o.value);", metric_select
         )
-        assert sorted(o.get_attribute("value") for o in select.options) == keys
-        select.select_by_value("actor/entropy")
+        assert sorted(options) == keys
+
+        def choose(d: WebDriver) -> bool:
+            Select(d.find_element(By.CSS_SELECTOR, metric_select)).select_by_value("actor/entropy")
+            return True
+
+        _wait(browser, "the metric chooser", choose)
         _wait(
             browser,
             "the chosen metric",
-            lambda d: (
-                {p.get_attribute("data-metric") for p in _compare_paths(d, 0).values()} == {"actor/entropy"}
-            ),
+            lambda d: {p["metric"] for p in _compare_paths(d, 0).values()} == {"actor/entropy"},
         )
         for run, p in _compare_paths(browser, 0).items():
-            assert float(p.get_attribute("data-last") or "nan") == curves[run][3]["actor/entropy"]
+            assert float(p["last"]) == curves[run][3]["actor/entropy"]
 
         # smoothing: the plotted values are the smoothed ones, the raw curves stay faint behind
         browser.execute_script(
@@ -444,7 +465,7 @@ def test_runs_of_a_pool_side_by_side(browser: WebDriver, start_live_server: Any,
         assert browser.find_element(By.ID, "smoothing-value").text == "0.90"
         for run, p in _compare_paths(browser, 0).items():
             want = _ema([curves[run][s]["actor/entropy"] for s in (1, 2, 3)], 0.9)[-1]
-            assert float(p.get_attribute("data-last") or "nan") == pytest.approx(want, rel=1e-12)
+            assert float(p["last"]) == pytest.approx(want, rel=1e-12)
 
         # one run less: its curve goes, the link says which runs are compared; a chart more
         _click(browser, "the run-b toggle", '[data-testid=compare-toggle][data-run="run-b"]')
