@@ -63,6 +63,7 @@ from exgrpo_pool.domain import (
     trajectory_key,
 )
 from exgrpo_pool.service.convert import rules_of
+from exgrpo_pool.store.db import SQLITE_CACHE_MB
 
 _TRAJ_COLS = "id, question_id, source_run_id, policy_version, step, reward, entropy, num_tokens, created_at"
 
@@ -93,10 +94,10 @@ class SqliteDb(Db):
 
     def __init__(self, path: str) -> None:
         self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        # as the service: SQLite's own checkpoint bound raised, the WAL copied into the database
-        # file after each write by a second connection in a thread, off the request's path
+        # as the service: its page cache, SQLite's own checkpoint bound raised, the WAL copied into
+        # the database file after each write by a second connection in a thread, off the request's path
         pragmas = ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=30000")
-        for pragma in (*pragmas, "wal_autocheckpoint=16384"):
+        for pragma in (*pragmas, "wal_autocheckpoint=16384", f"cache_size=-{SQLITE_CACHE_MB * 1024}"):
             self.conn.execute(f"PRAGMA {pragma}")
         self.checkpointer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.checkpointer.execute("PRAGMA busy_timeout=30000")

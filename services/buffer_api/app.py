@@ -310,7 +310,10 @@ async def build_context(settings: Settings, metrics: Metrics | None = None) -> C
     if settings.auto_migrate:
         await asyncio.to_thread(dbmod.upgrade, settings.database_url)
     database = dbmod.Database(
-        settings.database_url, pool_size=settings.db_pool_size, shared_file=settings.workers > 1
+        settings.database_url,
+        pool_size=settings.db_pool_size,
+        shared_file=settings.workers > 1,
+        sqlite_cache_mb=settings.sqlite_cache_mb,
     )
     redis_client = None
     index: Any

@@ -125,6 +125,9 @@ class Settings(BaseSettings):
     """Log lines as JSON objects or plain text (exgrpo_client.logs; `exgrpo serve --log-format`)."""
     db_pool_size: int = Field(10, ge=1)
     """Connections kept open to Postgres (per service process)."""
+    sqlite_cache_mb: int = Field(64, ge=0)
+    """SQLite's page cache per database connection, in MiB (0: SQLite's default, 2 MB). Taken as
+    pages are read; a service process opens a connection per request it works on at once."""
     max_active_requests: int = Field(8, ge=0)
     """Requests a service process handles at once (0: no limit); the rest wait in arrival order.
     All of a process's requests share one event loop, and a write holds the database's write lock

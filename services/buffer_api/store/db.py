@@ -31,17 +31,30 @@ log = logging.getLogger("exgrpo.pool")
 WAL_AUTOCHECKPOINT_PAGES = 16_384
 
 
-def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: object) -> None:
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.execute("PRAGMA busy_timeout=30000")
-    cur.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
-    cur.close()
+#: SQLite's page cache per connection, in MiB (`Settings.sqlite_cache_mb`). SQLite's default, 2 MB,
+#: holds less than the payloads one plan reads (~2.6 MB for 64 questions with 8 KB trajectories), so
+#: each plan read them from the file again, and the trajectory indexes that every commit descends
+#: were evicted by them. 0 leaves SQLite's default.
+SQLITE_CACHE_MB = 64
 
 
-def make_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
+def _sqlite_pragmas(cache_mb: int) -> Callable[[DBAPIConnection, object], None]:
+    def on_connect(dbapi_conn: DBAPIConnection, _record: object) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
+        if cache_mb:
+            # negative: KiB, not pages; SQLite takes the memory as pages are read, not up front
+            cur.execute(f"PRAGMA cache_size=-{int(cache_mb) * 1024}")
+        cur.close()
+
+    return on_connect
+
+
+def make_engine(url: str, *, pool_size: int = 10, sqlite_cache_mb: int = SQLITE_CACHE_MB) -> AsyncEngine:
     u = make_url(url)
     if u.get_backend_name() == "sqlite":
         if u.database and u.database != ":memory:":
@@ -49,7 +62,7 @@ def make_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         # Python's sqlite3 keeps 128 prepared statements per connection; multi-row INSERTs of varying
         # length are each a new statement of ~2 MB, so the default cache grew RSS by ~2 MB per step
         engine = create_async_engine(url, connect_args={"cached_statements": 16})
-        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas(sqlite_cache_mb))
         return engine
     return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
 
@@ -77,9 +90,16 @@ class Database:
     before it could miss what another process commits meanwhile; with this every `write()` takes
     SQLite's write lock when it begins (BEGIN IMMEDIATE, waiting up to the busy timeout)."""
 
-    def __init__(self, url: str, *, pool_size: int = 10, shared_file: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        pool_size: int = 10,
+        shared_file: bool = False,
+        sqlite_cache_mb: int = SQLITE_CACHE_MB,
+    ) -> None:
         self.url = url
-        self.engine = make_engine(url, pool_size=pool_size)
+        self.engine = make_engine(url, pool_size=pool_size, sqlite_cache_mb=sqlite_cache_mb)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self.is_sqlite = self.engine.dialect.name == "sqlite"
         self._write_lock = asyncio.Lock() if self.is_sqlite else None
