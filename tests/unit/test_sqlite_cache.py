@@ -48,25 +48,20 @@ async def _reads_of_a_second_pass(db: Database) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts read system calls in /proc")
-async def test_a_second_read_of_8_mb_comes_from_the_cache(tmp_path: Path) -> None:
-    db = Database(f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", sqlite_cache_mb=64)
+@pytest.mark.parametrize(
+    ("cache_mb", "pragma", "cached"),
+    [(64, -64 * 1024, True), (0, SQLITE_DEFAULT_CACHE, False)],
+    ids=["64 MiB: a second read of 8 MB comes from the cache", "SQLite's default: from the file again"],
+)
+async def test_a_second_read_of_8_mb(tmp_path: Path, cache_mb: int, pragma: int, cached: bool) -> None:
+    db = Database(f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", sqlite_cache_mb=cache_mb)
     try:
         size, reads = await _reads_of_a_second_pass(db)
     finally:
         await db.close()
-    assert size == -64 * 1024
-    assert reads < 100  # 2,048 pages of 4 KiB, none read again
-
-
-@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts read system calls in /proc")
-async def test_sqlite_default_cache_reads_8_mb_from_the_file_again(tmp_path: Path) -> None:
-    db = Database(f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", sqlite_cache_mb=0)
-    try:
-        size, reads = await _reads_of_a_second_pass(db)
-    finally:
-        await db.close()
-    assert size == SQLITE_DEFAULT_CACHE
-    assert reads > 1000
+    assert size == pragma
+    # 2,048 pages of 4 KiB: none read again, or (nearly) all of them
+    assert reads < 100 if cached else reads > 1000
 
 
 def test_the_cache_size_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
