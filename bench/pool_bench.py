@@ -419,6 +419,9 @@ async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
         api = Api(client, server.proc.pid)
         if opts.mix_only:
             res["mix"] = await _mix(api, trainer, prefix, opts, combo.size)
+            # the service's memory after 50 clients (a SQLite connection, and its page cache, each)
+            res["mix"]["memory_mb"] = {**memory, "end": server.memory()}
+            log(f"  service RSS after the mix: {res['mix']['memory_mb']['end']} MB")
             return
         # replay-only selection, on the seeded state (same shape at every pool size): with the
         # stored trajectories (the payload dominates), and ids only (the sampling path alone)
