@@ -114,6 +114,8 @@ class Server:
 SERVICE_WORKERS = 1
 #: the service's max_active_requests (None: its default)
 MAX_ACTIVE: int | None = None
+#: the service's sqlite_driver (None: its default)
+SQLITE_DRIVER: str | None = None
 
 
 def start_server(
@@ -135,6 +137,8 @@ def start_server(
         env["EXGRPO_WORKERS"] = str(SERVICE_WORKERS)
     if script == SERVE and MAX_ACTIVE is not None:
         env["EXGRPO_MAX_ACTIVE_REQUESTS"] = str(MAX_ACTIVE)
+    if script == SERVE and SQLITE_DRIVER is not None:
+        env["EXGRPO_SQLITE_DRIVER"] = SQLITE_DRIVER
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "wb") as logf:
@@ -1337,6 +1341,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "the service's own)",
     )
     ap.add_argument(
+        "--sqlite-driver",
+        choices=("thread", "inline"),
+        default=None,
+        help="the service's sqlite_driver (default: the service's own)",
+    )
+    ap.add_argument(
         "--floor",
         action="store_true",
         help="only select, plan, commit and ingest, interleaved with the floor (bench/_floor.py) on a copy",
@@ -1362,10 +1372,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global SERVICE_WORKERS, MAX_ACTIVE
+    global SERVICE_WORKERS, MAX_ACTIVE, SQLITE_DRIVER
     args = parse(argv)
     SERVICE_WORKERS = args.service_workers
     MAX_ACTIVE = args.max_active
+    SQLITE_DRIVER = args.sqlite_driver
     quick = args.quick
     opts = Options(
         iterations=args.iterations or (15 if quick else 60),

@@ -314,6 +314,7 @@ async def build_context(settings: Settings, metrics: Metrics | None = None) -> C
         pool_size=settings.db_pool_size,
         shared_file=settings.workers > 1,
         sqlite_cache_mb=settings.sqlite_cache_mb,
+        sqlite_inline=settings.sqlite_driver == "inline",
     )
     redis_client = None
     index: Any

@@ -128,6 +128,11 @@ class Settings(BaseSettings):
     sqlite_cache_mb: int = Field(64, ge=0)
     """SQLite's page cache per database connection, in MiB (0: SQLite's default, 2 MB). Taken as
     pages are read; a service process opens a connection per request it works on at once."""
+    sqlite_driver: Literal["thread", "inline"] = "inline"
+    """How the service calls a SQLite file: `inline` (`sqlite3` called from the event loop; a
+    statement that finds the file locked waits on the loop, not inside SQLite) or `thread`
+    (aiosqlite: each connection's calls run in its own thread, four hand-offs per statement).
+    Postgres ignores it; with `workers` > 1 it is always `thread`."""
     max_active_requests: int = Field(8, ge=0)
     """Requests a service process handles at once (0: no limit); the rest wait in arrival order.
     All of a process's requests share one event loop, and a write holds the database's write lock

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from sqlalchemy import text
 
 from exgrpo_pool.store.db import WAL_AUTOCHECKPOINT_PAGES, Database
@@ -22,12 +23,14 @@ async def _size_after_write(db: Database, path: Path, payload: bytes) -> tuple[i
     return before, path.stat().st_size
 
 
-async def test_a_write_reaches_the_database_file_after_it_commits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["thread driver", "inline driver"])
+async def test_a_write_reaches_the_database_file_after_it_commits(tmp_path: Path, inline: bool) -> None:
     path = tmp_path / "pool.db"
-    db = Database(f"sqlite+aiosqlite:///{path}")
+    db = Database(f"sqlite+aiosqlite:///{path}", sqlite_inline=inline)
     try:
         # 1 MB: far below SQLite's default bound (1,000 pages, 4 MB) and this one
-        before, after = await _size_after_write(db, path, os.urandom(1_000_000))
+        with db.hot():  # the hot path's writes: inline with that driver
+            before, after = await _size_after_write(db, path, os.urandom(1_000_000))
         assert after - before >= 900_000
         async with db.read() as session:
             pages = (await session.execute(text("PRAGMA wal_autocheckpoint"))).scalar_one()

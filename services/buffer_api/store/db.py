@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +18,7 @@ from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from exgrpo_pool import faults
+from exgrpo_pool.store.sqlite_inline import creator as sqlite_inline_creator
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -38,13 +39,15 @@ WAL_AUTOCHECKPOINT_PAGES = 16_384
 SQLITE_CACHE_MB = 64
 
 
-def _sqlite_pragmas(cache_mb: int) -> Callable[[DBAPIConnection, object], None]:
+def _sqlite_pragmas(cache_mb: int, *, inline: bool = False) -> Callable[[DBAPIConnection, object], None]:
     def on_connect(dbapi_conn: DBAPIConnection, _record: object) -> None:
         cur = dbapi_conn.cursor()
+        # the busy timeout is spent before journal_mode, which needs a lock to switch a new file;
+        # inline connections wait on the event loop instead (sqlite_inline.BUSY_WAIT_S)
+        cur.execute(f"PRAGMA busy_timeout={0 if inline else 30000}")
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.execute("PRAGMA foreign_keys=ON")
-        cur.execute("PRAGMA busy_timeout=30000")
         cur.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
         if cache_mb:
             # negative: KiB, not pages; SQLite takes the memory as pages are read, not up front
@@ -54,15 +57,23 @@ def _sqlite_pragmas(cache_mb: int) -> Callable[[DBAPIConnection, object], None]:
     return on_connect
 
 
-def make_engine(url: str, *, pool_size: int = 10, sqlite_cache_mb: int = SQLITE_CACHE_MB) -> AsyncEngine:
+def make_engine(
+    url: str, *, pool_size: int = 10, sqlite_cache_mb: int = SQLITE_CACHE_MB, sqlite_inline: bool = False
+) -> AsyncEngine:
     u = make_url(url)
     if u.get_backend_name() == "sqlite":
         if u.database and u.database != ":memory:":
             Path(u.database).parent.mkdir(parents=True, exist_ok=True)
         # Python's sqlite3 keeps 128 prepared statements per connection; multi-row INSERTs of varying
         # length are each a new statement of ~2 MB, so the default cache grew RSS by ~2 MB per step
-        engine = create_async_engine(url, connect_args={"cached_statements": 16})
-        event.listen(engine.sync_engine, "connect", _sqlite_pragmas(sqlite_cache_mb))
+        inline = sqlite_inline and bool(u.database) and u.database != ":memory:"
+        if inline:
+            assert u.database is not None
+            connect = sqlite_inline_creator(u.database, cached_statements=16)
+            engine = create_async_engine(url, async_creator=connect)
+        else:
+            engine = create_async_engine(url, connect_args={"cached_statements": 16})
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas(sqlite_cache_mb, inline=inline))
         return engine
     return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
 
@@ -78,6 +89,9 @@ class _Shared:
 
 
 _shared: ContextVar[_Shared | None] = ContextVar("exgrpo_shared_transaction", default=None)
+
+#: set by `Database.hot()` for the task's requests on the hot path
+_hot: ContextVar[bool] = ContextVar("exgrpo_hot_path", default=False)
 
 
 class Database:
@@ -97,10 +111,18 @@ class Database:
         pool_size: int = 10,
         shared_file: bool = False,
         sqlite_cache_mb: int = SQLITE_CACHE_MB,
+        sqlite_inline: bool = False,
     ) -> None:
         self.url = url
         self.engine = make_engine(url, pool_size=pool_size, sqlite_cache_mb=sqlite_cache_mb)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+        #: SQLite called from the event loop (`sqlite_inline`), for the hot path only (`hot()`); a
+        #: file other processes write keeps the thread driver: they hold its lock as long as they like
+        self.hot_engine: AsyncEngine | None = None
+        self.hot_sessions = self.sessions
+        if sqlite_inline and not shared_file and self.engine.dialect.name == "sqlite":
+            self.hot_engine = make_engine(url, sqlite_cache_mb=sqlite_cache_mb, sqlite_inline=True)
+            self.hot_sessions = async_sessionmaker(self.hot_engine, expire_on_commit=False)
         self.is_sqlite = self.engine.dialect.name == "sqlite"
         self._write_lock = asyncio.Lock() if self.is_sqlite else None
         self._begin_immediate = self.is_sqlite and shared_file
@@ -109,6 +131,22 @@ class Database:
         self._wal = self.is_sqlite and bool(u.database) and u.database != ":memory:"
         self._checkpoint: asyncio.Task[None] | None = None
         self._checkpoint_again = False
+
+    @staticmethod
+    @contextlib.contextmanager
+    def hot() -> Iterator[None]:
+        """The task's `write()`, `read()` and `transaction()` are on the hot path (plan, commit,
+        ingest, select, tasks): with the inline SQLite driver they call SQLite from the event loop.
+        Everything else (stats, listings, imports, exports, deletes: reads and writes that may take
+        long) keeps the thread driver and never holds up the loop."""
+        token = _hot.set(True)
+        try:
+            yield
+        finally:
+            _hot.reset(token)
+
+    def _sessions(self) -> async_sessionmaker[AsyncSession]:
+        return self.hot_sessions if _hot.get() else self.sessions
 
     def _joined(self) -> _Shared | None:
         shared = _shared.get()
@@ -123,7 +161,7 @@ class Database:
             await shared.session.flush()
             return
         lock = self._write_lock or contextlib.nullcontext()
-        async with lock, self.sessions() as session, session.begin():
+        async with lock, self._sessions()() as session, session.begin():
             if self._begin_immediate:
                 # sqlite3 sees the transaction open and issues no BEGIN of its own; COMMIT and
                 # ROLLBACK end it as usual
@@ -147,7 +185,7 @@ class Database:
         while again:
             self._checkpoint_again = False
             try:
-                async with self.engine.connect() as conn:
+                async with self.engine.connect() as conn:  # the thread driver: it copies megabytes
                     await conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
             except Exception:  # the WAL stays; the next write tries again, SQLite's bound holds
                 log.warning("background WAL checkpoint failed", exc_info=True)
@@ -165,7 +203,7 @@ class Database:
         if shared is not None:
             yield shared.session
             return
-        async with self.sessions() as session:
+        async with self._sessions()() as session:
             yield session
 
     @contextlib.asynccontextmanager
@@ -197,6 +235,8 @@ class Database:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self.settle()
+        if self.hot_engine is not None:
+            await self.hot_engine.dispose()
         await self.engine.dispose()
 
 

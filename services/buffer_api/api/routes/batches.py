@@ -27,7 +27,7 @@ router = APIRouter(prefix="/v1/pools/{pool}", tags=["batches"], route_class=Fram
 
 @router.get("/batches/{batch_id}", response_model=s.BatchPlan, responses=frame_answer(s.BatchPlan))
 async def show_batch(batch_id: BatchId, pool: ReadPoolName, ctx: ContextDep, wire: WireDep) -> object:
-    with wire.answering():
+    with wire.answering(), ctx.db.hot():
         return wire.respond(await batches.get_batch_plan(ctx, pool, batch_id))
 
 
@@ -51,7 +51,8 @@ async def commit_batch(
     wire: WireDep,
 ) -> object:
     wire.prepare(body)
-    return await idem.run(lambda: batches.commit_batch(ctx, pool, batch_id, body, lease))
+    with ctx.db.hot():
+        return await idem.run(lambda: batches.commit_batch(ctx, pool, batch_id, body, lease))
 
 
 @router.get("/batches/{batch_id}/results", response_model=s.BatchResults)
@@ -68,25 +69,29 @@ async def claim_pool_tasks(
     """Claim tasks of any run of the pool (or of `runs`) for a worker fleet shared by runs. One
     answer holds tasks of one run, all of one policy version and sampling settings; the run is
     the one with the fewest leased tasks, then the one whose oldest waiting task is oldest."""
-    return await idem.run(lambda: tasks.claim_pool(ctx, pool, body))
+    with ctx.db.hot():
+        return await idem.run(lambda: tasks.claim_pool(ctx, pool, body))
 
 
 @router.post("/tasks/{task_id}/renew", response_model=s.TaskPublic)
 async def renew_task(
     task_id: RowId, body: s.TaskRenew, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
 ) -> object:
-    return await idem.run(lambda: tasks.renew(ctx, pool, task_id, body))
+    with ctx.db.hot():
+        return await idem.run(lambda: tasks.renew(ctx, pool, task_id, body))
 
 
 @router.post("/tasks/{task_id}/complete", response_model=s.TaskPublic)
 async def complete_task(
     task_id: RowId, body: s.TaskComplete, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
 ) -> object:
-    return await idem.run(lambda: tasks.complete(ctx, pool, task_id, body))
+    with ctx.db.hot():
+        return await idem.run(lambda: tasks.complete(ctx, pool, task_id, body))
 
 
 @router.post("/tasks/{task_id}/fail", response_model=s.TaskPublic)
 async def fail_task(
     task_id: RowId, body: s.TaskFail, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
 ) -> object:
-    return await idem.run(lambda: tasks.fail(ctx, pool, task_id, body))
+    with ctx.db.hot():
+        return await idem.run(lambda: tasks.fail(ctx, pool, task_id, body))

@@ -142,7 +142,7 @@ async def plan_batch(
     lease: RunLeaseDep,
     wire: WireDep,
 ) -> object:
-    with wire.answering():
+    with wire.answering(), ctx.db.hot():
         return await idem.run(
             lambda: batches.plan_batch(ctx, pool, run, body, lease),
             status_code=201,
@@ -167,14 +167,15 @@ async def ingest(
     wire: WireDep,
 ) -> object:
     wire.prepare(body)
-    return await idem.run(lambda: batches.ingest(ctx, pool, run, body, lease))
+    with ctx.db.hot():
+        return await idem.run(lambda: batches.ingest(ctx, pool, run, body, lease))
 
 
 @router.post("/{run}/select", response_model=s.SelectResult, responses=frame_answer(s.SelectResult))
 async def select_replay(
     run: RunName, body: s.SelectRequest, pool: ReadPoolName, ctx: ContextDep, wire: WireDep
 ) -> object:
-    with wire.answering():
+    with wire.answering(), ctx.db.hot():
         return wire.respond(await batches.select_replay(ctx, pool, run, body))
 
 
@@ -182,4 +183,5 @@ async def select_replay(
 async def claim_tasks(
     run: RunName, body: s.TaskClaim, pool: WritePool, ctx: ContextDep, idem: IdempotencyDep
 ) -> object:
-    return await idem.run(lambda: tasks.claim(ctx, pool, run, body))
+    with ctx.db.hot():
+        return await idem.run(lambda: tasks.claim(ctx, pool, run, body))

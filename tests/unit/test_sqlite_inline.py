@@ -1,0 +1,158 @@
+"""SQLite called from the event loop (`sqlite_driver = "inline"`) on the hot path: statements of
+`Database.hot()` run on the loop's thread, everything else on aiosqlite's threads, and a statement
+that finds the file locked waits on the loop, so the connection holding the lock can finish."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from sqlalchemy import text
+
+from exgrpo_pool.app import create_app
+from exgrpo_pool.config import Settings
+from exgrpo_pool.store import sqlite_inline
+from exgrpo_pool.store.db import Database
+
+
+def _url(tmp_path: Path) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}"
+
+
+async def _thread_of_a_statement(db: Database, *, hot: bool = True) -> int:
+    """The thread that ran a statement, on the hot path or off it: a SQL function records it."""
+    seen: list[int] = []
+    with db.hot() if hot else contextlib.nullcontext():
+        return await _thread_of(db, seen)
+
+
+async def _thread_of(db: Database, seen: list[int]) -> int:
+    async with db.read() as session:
+        raw = await (await session.connection()).get_raw_connection()
+        driver = raw.driver_connection
+        assert driver is not None
+        # aiosqlite's connection and the inline one both have an awaitable create_function
+        await driver.create_function("whoami", 0, lambda: seen.append(threading.get_ident()) or 1)
+        assert (await session.execute(text("SELECT whoami()"))).scalar_one() == 1
+    return seen[0]
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline: the loop's thread", "thread: another thread"])
+async def test_where_a_statement_runs(tmp_path: Path, inline: bool) -> None:
+    db = Database(_url(tmp_path), sqlite_inline=inline)
+    try:
+        ran_on = await _thread_of_a_statement(db)
+        off_the_hot_path = await _thread_of_a_statement(db, hot=False)
+        with db.hot():
+            async with db.read() as session:
+                busy_timeout = (await session.execute(text("PRAGMA busy_timeout"))).scalar_one()
+    finally:
+        await db.close()
+    assert (ran_on == threading.get_ident()) is inline
+    # reads and writes that may take long (stats, exports, imports) never hold up the loop
+    assert off_the_hot_path != threading.get_ident()
+    # SQLite's own busy wait would hold up the loop: inline connections wait on the loop instead
+    assert busy_timeout == (0 if inline else 30000)
+
+
+async def test_a_file_written_by_several_processes_keeps_the_thread_driver(tmp_path: Path) -> None:
+    db = Database(_url(tmp_path), sqlite_inline=True, shared_file=True)
+    try:
+        assert await _thread_of_a_statement(db) != threading.get_ident()
+    finally:
+        await db.close()
+
+
+async def _hold_the_write_lock(db: Database, holding: asyncio.Event, release: asyncio.Event) -> None:
+    with db.hot():
+        await _hold(db, holding, release)
+
+
+async def _hold(db: Database, holding: asyncio.Event, release: asyncio.Event) -> None:
+    async with db.write() as session:
+        await session.execute(text("INSERT INTO t (v) VALUES ('first')"))
+        holding.set()
+        await release.wait()
+
+
+async def test_a_locked_write_waits_on_the_loop_for_the_holder(tmp_path: Path) -> None:
+    """Two `Database`s on one file (each serialises only its own writes): the second write finds
+    the file locked while the first holds it across an await. It must wait without holding up the
+    loop, or the first could never commit (with a busy timeout inside SQLite both would hang for
+    30 s and the second fail with "database is locked")."""
+    first, second = Database(_url(tmp_path), sqlite_inline=True), Database(_url(tmp_path), sqlite_inline=True)
+    try:
+        async with first.write() as session:
+            await session.execute(text("CREATE TABLE t (v TEXT)"))
+        holding, release = asyncio.Event(), asyncio.Event()
+        holder = asyncio.create_task(_hold_the_write_lock(first, holding, release))
+        await holding.wait()
+
+        async def second_write() -> None:
+            with second.hot():
+                async with second.write() as session:
+                    await session.execute(text("INSERT INTO t (v) VALUES ('second')"))
+
+        waiter = asyncio.create_task(second_write())
+        ticks = 0
+        for _ in range(5):  # the loop runs while the second write waits
+            await asyncio.sleep(0.02)
+            ticks += 1
+        assert not waiter.done()
+        release.set()
+        await asyncio.wait_for(asyncio.gather(holder, waiter), timeout=10)
+        assert ticks == 5
+        async with second.read() as session:
+            rows = (await session.execute(text("SELECT v FROM t ORDER BY rowid"))).scalars().all()
+        assert rows == ["first", "second"]
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_a_lock_held_too_long_fails_as_sqlite_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite_inline, "BUSY_WAIT_S", 0.2)
+    db = Database(_url(tmp_path), sqlite_inline=True)
+    other = None
+    try:
+        async with db.write() as session:
+            await session.execute(text("CREATE TABLE t (v TEXT)"))
+        other = sqlite3.connect(tmp_path / "pool.db", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        with pytest.raises(Exception, match="database is locked"), db.hot():
+            async with db.write() as session:
+                await session.execute(text("INSERT INTO t (v) VALUES ('x')"))
+        other.execute("ROLLBACK")
+        async with db.write() as session:  # nothing was lost, nothing half-written
+            await session.execute(text("INSERT INTO t (v) VALUES ('y')"))
+        async with db.read() as session:
+            assert (await session.execute(text("SELECT v FROM t"))).scalars().all() == ["y"]
+    finally:
+        if other is not None:
+            other.close()
+        await db.close()
+
+
+def test_the_driver_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings(allow_anonymous=True).sqlite_driver in ("thread", "inline")
+    monkeypatch.setenv("EXGRPO_SQLITE_DRIVER", "inline")
+    assert Settings(allow_anonymous=True).sqlite_driver == "inline"
+    monkeypatch.setenv("EXGRPO_SQLITE_DRIVER", "threads")
+    with pytest.raises(ValidationError, match="sqlite_driver"):
+        Settings(allow_anonymous=True)
+
+
+@pytest.mark.parametrize("driver", ["inline", "thread"])
+async def test_the_service_takes_the_setting(tmp_path: Path, driver: str) -> None:
+    settings = Settings(database_url=_url(tmp_path), allow_anonymous=True, sqlite_driver=driver)  # type: ignore[arg-type]
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        ran_on = await _thread_of_a_statement(app.state.ctx.db)
+    assert (ran_on == threading.get_ident()) is (driver == "inline")
