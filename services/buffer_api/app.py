@@ -7,6 +7,7 @@ import contextlib
 import gc
 import json
 import logging
+import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -133,6 +134,13 @@ _DATABASE_DOWN = (
 )
 
 
+def _sqlite_locked(error: sqlite3.OperationalError) -> bool:
+    """SQLITE_BUSY or SQLITE_LOCKED: another connection held the file's lock past the wait (another
+    program writing it, a backup); the statement did nothing."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
 def database_unavailable(exc: BaseException) -> bool:
     """Whether `exc` (or an exception it was raised from) says the database cannot be reached, as
     opposed to a failure of the request itself."""
@@ -143,6 +151,8 @@ def database_unavailable(exc: BaseException) -> bool:
         if isinstance(cur, _DATABASE_DOWN):
             return True
         if isinstance(cur, sqlalchemy.exc.DBAPIError) and cur.connection_invalidated:
+            return True
+        if isinstance(cur, sqlite3.OperationalError) and _sqlite_locked(cur):
             return True
         cur = cur.__cause__ or cur.__context__
     return False
