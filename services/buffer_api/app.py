@@ -37,6 +37,7 @@ from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.pools import load_pool, rebuild_pool_index
 from exgrpo_pool.store import db as dbmod
 from exgrpo_pool.store import repo
+from exgrpo_pool.store.sqlite_inline import lock_error as sqlite_lock_error
 
 log = logging.getLogger("exgrpo.pool")
 PROBLEM = "application/problem+json"
@@ -134,13 +135,6 @@ _DATABASE_DOWN = (
 )
 
 
-def _sqlite_locked(error: sqlite3.OperationalError) -> bool:
-    """SQLITE_BUSY or SQLITE_LOCKED: another connection held the file's lock past the wait (another
-    program writing it, a backup); the statement did nothing."""
-    code = getattr(error, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-
-
 def database_unavailable(exc: BaseException) -> bool:
     """Whether `exc` (or an exception it was raised from) says the database cannot be reached, as
     opposed to a failure of the request itself."""
@@ -152,7 +146,8 @@ def database_unavailable(exc: BaseException) -> bool:
             return True
         if isinstance(cur, sqlalchemy.exc.DBAPIError) and cur.connection_invalidated:
             return True
-        if isinstance(cur, sqlite3.OperationalError) and _sqlite_locked(cur):
+        if isinstance(cur, sqlite3.OperationalError) and sqlite_lock_error(cur):
+            # another program held the file's lock past the wait (a backup, a shell)
             return True
         cur = cur.__cause__ or cur.__context__
     return False

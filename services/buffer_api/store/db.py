@@ -66,13 +66,14 @@ def make_engine(
             Path(u.database).parent.mkdir(parents=True, exist_ok=True)
         # Python's sqlite3 keeps 128 prepared statements per connection; multi-row INSERTs of varying
         # length are each a new statement of ~2 MB, so the default cache grew RSS by ~2 MB per step
+        cached = 16
         inline = sqlite_inline and bool(u.database) and u.database != ":memory:"
         if inline:
             assert u.database is not None
-            connect = sqlite_inline_creator(u.database, cached_statements=16)
+            connect = sqlite_inline_creator(u.database, cached_statements=cached)
             engine = create_async_engine(url, async_creator=connect)
         else:
-            engine = create_async_engine(url, connect_args={"cached_statements": 16})
+            engine = create_async_engine(url, connect_args={"cached_statements": cached})
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas(sqlite_cache_mb, inline=inline))
         return engine
     return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
@@ -116,14 +117,14 @@ class Database:
         self.url = url
         self.engine = make_engine(url, pool_size=pool_size, sqlite_cache_mb=sqlite_cache_mb)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+        self.is_sqlite = self.engine.dialect.name == "sqlite"
         #: SQLite called from the event loop (`sqlite_inline`), for the hot path only (`hot()`); a
         #: file other processes write keeps the thread driver: they hold its lock as long as they like
         self.hot_engine: AsyncEngine | None = None
         self.hot_sessions = self.sessions
-        if sqlite_inline and not shared_file and self.engine.dialect.name == "sqlite":
+        if sqlite_inline and not shared_file and self.is_sqlite:
             self.hot_engine = make_engine(url, sqlite_cache_mb=sqlite_cache_mb, sqlite_inline=True)
             self.hot_sessions = async_sessionmaker(self.hot_engine, expire_on_commit=False)
-        self.is_sqlite = self.engine.dialect.name == "sqlite"
         self._write_lock = asyncio.Lock() if self.is_sqlite else None
         self._begin_immediate = self.is_sqlite and shared_file
         u = make_url(url)

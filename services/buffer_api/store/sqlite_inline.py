@@ -28,13 +28,18 @@ from typing import Any
 #: SQLite's own busy timeout would ("database is locked")
 BUSY_WAIT_S = 30.0
 
-_SQLITE_BUSY = 5
-_SQLITE_BUSY_SNAPSHOT = 517  # the snapshot is stale: waiting cannot help, the transaction must restart
 
-
-def _busy(error: sqlite3.OperationalError) -> bool:
+def lock_error(error: sqlite3.Error) -> bool:
+    """SQLITE_BUSY or SQLITE_LOCKED (any extended code): another connection held a lock the
+    statement needed; the statement did nothing."""
     code = getattr(error, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF == _SQLITE_BUSY and code != _SQLITE_BUSY_SNAPSHOT
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
+def _busy(error: sqlite3.Error) -> bool:
+    """A lock error that waiting can end: not a stale snapshot (SQLITE_BUSY_SNAPSHOT, where the
+    transaction must restart)."""
+    return lock_error(error) and getattr(error, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY_SNAPSHOT
 
 
 async def _retrying(call: Callable[[], object]) -> None:
@@ -136,9 +141,7 @@ class InlineConnection:
         self._live().rollback()
 
     async def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self.stop()
 
     def stop(self) -> None:
         if self._conn is not None:
