@@ -164,3 +164,27 @@ async def test_loaded_sizes_answers_loaded_and_sizes_together(index: Any) -> Non
     await index.apply(4, [(10, 1)])
     assert await index.replace(4, {1: [10, 11]}, generation=generation) is False
     assert await index.loaded_sizes(4) is None and await index.sizes(4) == {1: 2}
+
+
+async def test_many_moves_in_one_apply_leave_each_question_in_its_last_bucket(index: Any) -> None:
+    """More moves than one script call takes (Redis applies them 1,000 at a time), a question moved
+    more than once in one write, and removals: each question ends where its last move put it."""
+    assert await index.replace(6, {1: list(range(0, 300)), 2: list(range(300, 600))})
+    generation = await index.generation(6)
+    moves: list[tuple[int, int | None]] = []
+    expected: dict[int, int | None] = {q: 1 if q < 300 else 2 for q in range(600)}
+    for q in range(2_500):
+        bucket = None if q % 7 == 0 else 1 + q % 5
+        moves.append((q, bucket))
+        expected[q] = bucket
+    for q in range(0, 2_500, 3):  # moved again later in the same write
+        moves.append((q, 4))
+        expected[q] = 4
+    await index.apply(6, moves)
+    want: dict[int, list[int]] = {}
+    for q, b in sorted(expected.items()):
+        if b is not None:
+            want.setdefault(b, []).append(q)
+    assert await _contents(index, 6) == want
+    assert await index.sizes(6) == {b: len(ids) for b, ids in want.items()}
+    assert await index.generation(6) > generation

@@ -2,8 +2,9 @@
 
 Keys (prefix P, scope S): `P:idx:S:b:<k>` sorted set of question ids (score = id, so ranks follow
 id order), `P:idx:S:of` hash question -> bucket, `P:idx:S:bk` set of the buckets that may hold
-members, `P:idx:S:gen` the scope's change counter, `P:idx:S:loaded` marker. Moves run as one Lua
-script per question so a question is never in two buckets, even with concurrent writers.
+members, `P:idx:S:gen` the scope's change counter, `P:idx:S:loaded` marker. A write's moves run in
+one Lua script call (per 1,000 moves), so a question is never in two buckets, even with concurrent
+writers.
 
 A rebuild stages the new buckets under keys of its own (`P:idx:S:stage:<random>:...`, expiring),
 then one Lua script swaps them in: rebuilds running at once never touch each other's keys, and
@@ -25,18 +26,24 @@ import redis.asyncio as aioredis
 
 from exgrpo_pool.index.base import Move, RebuildLost
 
-# KEYS[1] of, KEYS[2] bk; ARGV[1] question, ARGV[2] new bucket ('' = none), ARGV[3] bucket key prefix
-_MOVE = """
-local old = redis.call('HGET', KEYS[1], ARGV[1])
-if old then
-  redis.call('ZREM', ARGV[3] .. old, ARGV[1])
-end
-if ARGV[2] == '' then
-  redis.call('HDEL', KEYS[1], ARGV[1])
-else
-  redis.call('ZADD', ARGV[3] .. ARGV[2], ARGV[1], ARGV[1])
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-  redis.call('SADD', KEYS[2], ARGV[2])
+# KEYS[1] of, KEYS[2] bk, KEYS[3] gen; ARGV[1] bucket key prefix, then pairs of question and new
+# bucket ('' = none). The change counter first: a rebuild that read the database before these
+# moves sees the scope changed.
+_MOVES = """
+redis.call('INCR', KEYS[3])
+for i = 2, #ARGV, 2 do
+  local q, new = ARGV[i], ARGV[i + 1]
+  local old = redis.call('HGET', KEYS[1], q)
+  if old then
+    redis.call('ZREM', ARGV[1] .. old, q)
+  end
+  if new == '' then
+    redis.call('HDEL', KEYS[1], q)
+  else
+    redis.call('ZADD', ARGV[1] .. new, q, q)
+    redis.call('HSET', KEYS[1], q, new)
+    redis.call('SADD', KEYS[2], new)
+  end
 end
 return 1
 """
@@ -123,6 +130,8 @@ return out
 """
 
 _CHUNK = 5000
+#: moves per script call (Redis runs a script alone: this bounds how long one call holds it)
+_MOVES_PER_CALL = 1000
 #: the key layout this module writes (the `bk` set of every scope); older layouts are dropped once
 _FORMAT = "2"
 #: staged keys of a rebuild that died half-way expire after this long
@@ -135,7 +144,7 @@ class RedisIndex:
     def __init__(self, client: aioredis.Redis, prefix: str) -> None:
         self._r = client
         self._prefix = prefix
-        self._move = client.register_script(_MOVE)
+        self._moves = client.register_script(_MOVES)
         self._swap = client.register_script(_SWAP)
         self._drop = client.register_script(_DROP)
         self._loaded_sizes = client.register_script(_LOADED_SIZES)
@@ -203,16 +212,18 @@ class RedisIndex:
         return int(outcome) == 1
 
     async def apply(self, scope: int, moves: Sequence[Move]) -> None:
+        """The moves of a write, as one script call per `_MOVES_PER_CALL` moves: a command per move
+        cost the client more than the rest of the request's Redis work (packing and parsing ~200
+        commands of a 256-group ingest)."""
         if not moves:
             return
-        keys = [self._k(scope, "of"), self._k(scope, "bk")]
+        keys = [self._k(scope, "of"), self._k(scope, "bk"), self._k(scope, "gen")]
         bucket_prefix = self._k(scope, "b:")
-        pipe = self._r.pipeline(transaction=False)
-        # counted before the moves: a rebuild that read the database before this change sees it
-        pipe.incr(self._k(scope, "gen"))
-        for q, new in moves:
-            await self._move(keys=keys, args=[q, "" if new is None else new, bucket_prefix], client=pipe)
-        await pipe.execute()
+        for i in range(0, len(moves), _MOVES_PER_CALL):
+            args: list[int | str] = [bucket_prefix]
+            for q, new in moves[i : i + _MOVES_PER_CALL]:
+                args += (q, "" if new is None else new)
+            await self._moves(keys=keys, args=args)
 
     async def sizes(self, scope: int) -> dict[int, int]:
         buckets = await self._buckets(scope)
