@@ -201,7 +201,10 @@ class Idempotency:
             return write(await fn(), status_code, None)
         body = await self.request.body()
         route = f"{self.request.method} {self.request.url.path}"
-        digest = hashlib.sha256(route.encode() + b"\n" + body).hexdigest()
+        # the route, then the body as it came (updated in two parts: no copy of a body of megabytes)
+        hashed = hashlib.sha256(route.encode() + b"\n")
+        hashed.update(body)
+        digest = hashed.hexdigest()
         for attempt in range(self.ATTEMPTS):
             # a new key (the usual case) goes straight to the write, whose first statement records
             # it (one transaction, one connection); a key already recorded fails there, and its
