@@ -1,0 +1,175 @@
+"""Ingest against the floor in one process: the service's work per request without HTTP or
+concurrency.
+
+`pool_bench.py --floor` measures ingest over HTTP from several producers, where the two sides'
+numbers move with the machine between rounds. This runs the service's app and the floor's app
+(`bench/_floor.py`) in one process, on two copies of the cached seeded pool (SQLite, or Postgres +
+Redis as `pool_bench.py` runs it), and sends both the very same ingest bodies through
+`httpx.ASGITransport`, one request at a time, rounds alternating which side goes first. Each round
+sends `--per-round` requests of `--groups` graded groups; the process's CPU (all threads: SQLite's
+work included, Postgres's and Redis's not) and the wall time per request are taken per round, each
+round ending when its side's background WAL checkpoint has finished, and the medians printed with
+service/floor.
+
+    .venv/bin/python bench/ingest_floor.py --backend sqlite --size 10000 --rounds 8 --encoding binary
+    .venv/bin/python bench/ingest_floor.py --backend postgres --size 10000 --rounds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _floor
+import _seed
+import pool_bench as pb
+
+from exgrpo_client import frames
+from exgrpo_pool.app import create_app
+from exgrpo_pool.config import Settings
+
+SIDES = ("service", "floor")
+
+
+@contextlib.asynccontextmanager
+async def _apps(
+    backend: str, size: int, tmp: Path, args: argparse.Namespace
+) -> AsyncIterator[dict[str, Any]]:
+    """The service's app and the floor's, each on its own copy of the seeded pool."""
+    redis_prefix = f"bench-ingest-{uuid.uuid4().hex[:8]}"
+    if backend == "sqlite":
+        seed = pb.CACHE / f"sqlite-{size}.db"
+        if not seed.exists():
+            raise SystemExit(f"no seeded pool at {seed}: run pool_bench.py --sizes {size} first")
+        _seed.copy_sqlite(seed, tmp / "service.db")
+        _seed.copy_sqlite(seed, tmp / "floor.db")
+        settings = Settings(database_url=f"sqlite+aiosqlite:///{tmp / 'service.db'}", allow_anonymous=True)
+        floor_url = str(tmp / "floor.db")
+    else:
+        template = f"exgrpo_bench_seed_{size}"
+        if not await _seed.pg_exists(args.pg_dsn, template):
+            raise SystemExit(f"no seeded database {template}: run pool_bench.py --backends postgres first")
+        names = {side: f"exgrpo_bench_ingest_{side}" for side in SIDES}
+        for name in names.values():
+            await _seed.copy_postgres(args.pg_dsn, template, name)
+        settings = Settings(
+            database_url=_seed.pg_url(args.pg_dsn, names["service"], driver=True),
+            redis_url=args.redis_url,
+            redis_prefix=redis_prefix,
+            allow_anonymous=True,
+        )
+        floor_url = _seed.pg_url(args.pg_dsn, names["floor"])
+    app = create_app(settings, freeze_heap=True)
+    floor = _floor.Floor(await _floor._connect(floor_url))
+    await floor.load()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(app.router.lifespan_context(app))
+            clients = {}
+            for side, asgi in (("service", app), ("floor", _floor.app_for(floor))):
+                transport = httpx.ASGITransport(app=asgi)
+                clients[side] = await stack.enter_async_context(
+                    httpx.AsyncClient(transport=transport, base_url=f"http://{side}", timeout=120)
+                )
+            yield {"clients": clients, "app": app, "floor": floor}
+    finally:
+        if backend == "postgres":
+            import redis
+
+            r = redis.Redis.from_url(args.redis_url)
+            for key in r.scan_iter(f"{redis_prefix}:*"):
+                r.delete(key)
+            for side in SIDES:
+                await _seed.pg_admin(
+                    args.pg_dsn, f"DROP DATABASE IF EXISTS exgrpo_bench_ingest_{side} WITH (FORCE)"
+                )
+
+
+async def _settle(side: str, apps: dict[str, Any]) -> None:
+    """Wait for the side's background WAL checkpoint (SQLite): its CPU is the side's own work, and
+    left running it would be counted in the other side's round."""
+    if side == "service":
+        await apps["app"].state.ctx.db.settle()
+        return
+    task = getattr(apps["floor"].db, "checkpoint", None)
+    if task is not None:
+        await task
+
+
+async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    out: dict[str, dict[str, list[float]]] = {s: {"cpu": [], "wall": [], "stored": []} for s in SIDES}
+    trainer, rng = pb.Trainer(0), np.random.default_rng(1)
+    media = frames.MEDIA_TYPE if args.encoding == "binary" else "application/json"
+    path = f"/v1/pools/{_seed.POOL_NAME}/runs/{_seed.RUN_NAME}/ingest"
+    with tempfile.TemporaryDirectory() as tmp:
+        async with _apps(args.backend, args.size, Path(tmp), args) as apps:
+            clients = apps["clients"]
+            for r in range(args.rounds + 1):  # round 0 warms both sides up
+                bodies = [
+                    trainer.ingest_body(
+                        [int(q) + 1 for q in rng.choice(args.size, size=args.groups, replace=False)],
+                        args.encoding,
+                    )
+                    for _ in range(args.per_round)
+                ]
+                for side in SIDES if r % 2 else SIDES[::-1]:
+                    stored = 0
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    for body in bodies:
+                        resp = await clients[side].post(path, content=body, headers={"content-type": media})
+                        if resp.status_code != 200:
+                            raise SystemExit(f"{side}: {resp.status_code} {resp.text[:300]}")
+                        stored += resp.json()["stored_trajectories"]
+                    await _settle(side, apps)
+                    if r:
+                        out[side]["cpu"].append((time.process_time() - c0) / len(bodies) * 1000)
+                        out[side]["wall"].append((time.perf_counter() - w0) / len(bodies) * 1000)
+                        out[side]["stored"].append(stored / len(bodies))
+                print(f"round {r}/{args.rounds}", file=sys.stderr, flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=("sqlite", "postgres"), default="sqlite")
+    ap.add_argument("--size", type=int, default=10_000)
+    ap.add_argument("--encoding", choices=("binary", "json"), default="binary")
+    ap.add_argument("--groups", type=int, default=256)
+    ap.add_argument("--per-round", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--pg-dsn", default="postgresql://postgres@127.0.0.1:5432")
+    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    args = ap.parse_args()
+    out = asyncio.run(measure(args))
+    med = {s: {k: statistics.median(v) for k, v in out[s].items()} for s in SIDES}
+    print(
+        f"\n{args.backend}, {args.size:,} questions, {args.encoding}, {args.groups} groups per request, "
+        f"median of {args.rounds} rounds of {args.per_round}, per request\n"
+    )
+    print("| side | CPU ms | wall ms | stored trajectories | trajectories/s |")
+    print("|---|---:|---:|---:|---:|")
+    for s in SIDES:
+        m = med[s]
+        print(
+            f"| {s} | {m['cpu']:.1f} | {m['wall']:.1f} | {m['stored']:.0f} "
+            f"| {m['stored'] / m['wall'] * 1000:,.0f} |"
+        )
+    cpu, wall = med["service"]["cpu"] / med["floor"]["cpu"], med["service"]["wall"] / med["floor"]["wall"]
+    print(f"| service / floor | {cpu:.2f} | {wall:.2f} | | |")
+
+
+if __name__ == "__main__":
+    main()
