@@ -4,6 +4,7 @@ answers normally once the database is back."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -12,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import asyncpg
 import httpx
 import pytest
 from service.factories import ok, setup_pool
@@ -102,3 +104,27 @@ async def test_database_stopped_answers_503_then_recovers(own_postgres: OwnPostg
             _unavailable(r)
         assert r.status_code == 200 and r.json()["num_questions"] == before["num_questions"]
         assert (await client.get("/v1/pools/p2")).status_code == 404  # the refused write left nothing
+
+
+async def test_connections_the_server_closed_are_replaced_without_an_error(own_postgres: OwnPostgres) -> None:
+    """The server ends every session of the service (a restart, a failover, an idle timeout of a
+    proxy): the pooled connections it closed are dropped when the service next takes them, and no
+    request fails for it."""
+    backend = Backend("own-postgres", own_postgres.url, None, "")
+    async with serve(backend.settings()) as client:
+        await setup_pool(client, questions=8)
+        # several requests at once: the pool holds more than one connection
+        await asyncio.gather(*(client.get("/v1/pools/p1") for _ in range(4)))
+        admin = await asyncpg.connect(own_postgres.url.replace("+asyncpg", ""))
+        try:
+            ended = await admin.fetchval(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            )
+        finally:
+            await admin.close()
+        assert ended >= 1
+        await asyncio.sleep(0.2)  # the servers' close reaches the service's event loop
+        answers = await asyncio.gather(*(client.get("/v1/pools/p1") for _ in range(4)))
+        assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+        ok(await client.post("/v1/pools/p1/runs/r1/batches", json={}), 201)

@@ -15,6 +15,7 @@ from alembic.config import Config as AlembicConfig
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from exgrpo_pool import faults
@@ -76,7 +77,22 @@ def make_engine(
             engine = create_async_engine(url, connect_args={"cached_statements": cached})
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas(sqlite_cache_mb, inline=inline))
         return engine
-    return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    engine = create_async_engine(url, pool_size=pool_size, max_overflow=pool_size)
+    event.listen(engine.sync_engine, "checkout", _drop_if_closed)
+    return engine
+
+
+def _drop_if_closed(dbapi_conn: DBAPIConnection, _record: object, _proxy: object) -> None:
+    """A pooled Postgres connection the server has closed (a restart, a failover, a proxy's idle
+    timeout) is replaced when it is taken, not used: asyncpg marks a connection closed as soon as
+    the server's close reaches the event loop. SQLAlchemy's `pool_pre_ping` would instead send
+    BEGIN, an empty statement and ROLLBACK on every checkout: three round trips per request. A
+    connection that died without a close (a cut network) fails its first statement, which the
+    request answers 503, and the pool then drops every connection older than the failure."""
+    driver = getattr(dbapi_conn, "driver_connection", None)
+    is_closed = getattr(driver, "is_closed", None)
+    if is_closed is not None and is_closed():
+        raise DisconnectionError("the server closed this connection")
 
 
 @dataclass
@@ -125,6 +141,13 @@ class Database:
         if sqlite_inline and not shared_file and self.is_sqlite:
             self.hot_engine = make_engine(url, sqlite_cache_mb=sqlite_cache_mb, sqlite_inline=True)
             self.hot_sessions = async_sessionmaker(self.hot_engine, expire_on_commit=False)
+        #: hot-path reads outside a transaction on Postgres: autocommit, so a selection sends no
+        #: BEGIN and ROLLBACK around its statements. Under READ COMMITTED (the default, which the
+        #: service keeps) each statement sees what was committed when it began either way.
+        self.hot_reads: async_sessionmaker[AsyncSession] | None = None
+        if not self.is_sqlite:
+            autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+            self.hot_reads = async_sessionmaker(autocommit, expire_on_commit=False)
         self._write_lock = asyncio.Lock() if self.is_sqlite else None
         self._begin_immediate = self.is_sqlite and shared_file
         u = make_url(url)
@@ -137,7 +160,8 @@ class Database:
     @contextlib.contextmanager
     def hot() -> Iterator[None]:
         """The task's `write()`, `read()` and `transaction()` are on the hot path (plan, commit,
-        ingest, select, tasks): with the inline SQLite driver they call SQLite from the event loop.
+        ingest, select, tasks): with the inline SQLite driver they call SQLite from the event loop,
+        and on Postgres their reads outside a transaction are autocommit (`hot_reads`).
         Everything else (stats, listings, imports, exports, deletes: reads and writes that may take
         long) keeps the thread driver and never holds up the loop."""
         token = _hot.set(True)
@@ -204,7 +228,8 @@ class Database:
         if shared is not None:
             yield shared.session
             return
-        async with self._sessions()() as session:
+        sessions = self.hot_reads if self.hot_reads is not None and _hot.get() else self._sessions()
+        async with sessions() as session:
             yield session
 
     @contextlib.asynccontextmanager
