@@ -170,8 +170,11 @@ class Database:
         finally:
             _hot.reset(token)
 
-    def _sessions(self) -> async_sessionmaker[AsyncSession]:
-        return self.hot_sessions if _hot.get() else self.sessions
+    def _sessions(self, *, read: bool = False) -> async_sessionmaker[AsyncSession]:
+        """The sessions of a `write()` or (`read`) a `read()` outside a joined transaction."""
+        if not _hot.get():
+            return self.sessions
+        return self.hot_reads if read and self.hot_reads is not None else self.hot_sessions
 
     def _joined(self) -> _Shared | None:
         shared = _shared.get()
@@ -228,8 +231,7 @@ class Database:
         if shared is not None:
             yield shared.session
             return
-        sessions = self.hot_reads if self.hot_reads is not None and _hot.get() else self._sessions()
-        async with sessions() as session:
+        async with self._sessions(read=True)() as session:
             yield session
 
     @contextlib.asynccontextmanager
