@@ -11,6 +11,8 @@ Besides the plain service it can, for the benchmark only:
   freeze_heap=False)``), to measure what the freeze changes.
 * ``EXGRPO_BENCH_PROFILE=<file>``: SIGUSR1 starts cProfile on the event-loop thread, SIGUSR2
   stops it and writes the stats to ``<file>``.
+* An older service: ``pool_bench.py --service-src DIR`` puts the packages of an older tree first on
+  ``PYTHONPATH``; this launcher then passes only what that service's ``create_app`` takes.
 * ``EXGRPO_WORKERS=N`` (``pool_bench.py --service-workers N``): N service processes as
   ``exgrpo serve --workers N`` runs them, without any of the hooks above.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextvars
 import cProfile
 import functools
+import inspect
 import os
 import signal
 import time
@@ -155,13 +158,16 @@ def _install_profiler(path: str) -> None:
 
 def main() -> None:
     settings = Settings()
-    if settings.workers > 1:
+    if getattr(settings, "workers", 1) > 1:
         # `exgrpo serve --workers N` as it is: no Server-Timing, SQL log or profiler (they are
         # per process), and the benchmark's per-request CPU counts the parent only
         from exgrpo_cli._serve import serve_workers
 
         raise SystemExit(serve_workers(settings, demo=False, demo_data=None))
-    app: Any = create_app(settings, freeze_heap=os.environ.get("EXGRPO_BENCH_FREEZE_HEAP", "1") == "1")
+    kwargs: dict[str, Any] = {}
+    if "freeze_heap" in inspect.signature(create_app).parameters:  # an older service has no freeze
+        kwargs["freeze_heap"] = os.environ.get("EXGRPO_BENCH_FREEZE_HEAP", "1") == "1"
+    app: Any = create_app(settings, **kwargs)
     if os.environ.get("EXGRPO_BENCH_TIMING") == "1":
         _install_sql_timer()
         _install_gc_timer()

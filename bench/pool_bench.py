@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -116,6 +117,81 @@ SERVICE_WORKERS = 1
 MAX_ACTIVE: int | None = None
 #: the service's sqlite_driver (None: its default)
 SQLITE_DRIVER: str | None = None
+#: an older tree whose service runs instead of this one (`--service-src`; None: this tree's)
+SERVICE_SRC: Path | None = None
+
+
+def older_service_path(src: Path) -> str:
+    """A folder to put first on the service's PYTHONPATH so that it imports `exgrpo_pool` and
+    `exgrpo_client` (the wire models it uses) from the older tree `src` (e.g. the output of
+    `git archive <commit> services clients | tar -x -C src`)."""
+    shim = OUT / "service-src"
+    shim.mkdir(parents=True, exist_ok=True)
+    for name, rel in (("exgrpo_pool", "services/buffer_api"), ("exgrpo_client", "clients/exgrpo_client")):
+        target = (src / rel).resolve()
+        if not (target / "__init__.py").is_file():
+            raise SystemExit(f"--service-src: {target} is not a package")
+        link = shim / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return str(shim)
+
+
+def schema_head(src: Path) -> str:
+    """The newest migration of the older tree `src`: the revision no other one revises."""
+    revisions: dict[str, str | None] = {}
+    for f in (src / "services/buffer_api/store/migrations/versions").glob("*.py"):
+        text = f.read_text()
+        rev = re.search(r'^revision = "([^"]+)"', text, re.M)
+        down = re.search(r'^down_revision = (?:"([^"]+)"|None)', text, re.M)
+        if rev and down:
+            revisions[rev.group(1)] = down.group(1)
+    heads = set(revisions) - set(revisions.values())
+    if len(heads) != 1:
+        raise SystemExit(f"--service-src: migrations with {len(heads)} heads: {sorted(heads)}")
+    return heads.pop()
+
+
+async def downgrade_to(url: str, src: Path) -> str:
+    """Take a seeded copy back to the schema of the older tree `src` (this tree's migrations run
+    down) and drop the keys of its pool configs and run overrides that the older wire models do
+    not know (they refuse extra keys). Returns the older schema's revision."""
+    import ast
+
+    from alembic import command
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from exgrpo_pool.store import db as dbmod
+
+    head = schema_head(src)
+    await asyncio.to_thread(command.downgrade, dbmod.alembic_config(url), head)
+    tree = ast.parse((src / "clients/exgrpo_client/schemas.py").read_text())
+    fields = {
+        node.name: {
+            f.target.id for f in node.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)
+        }
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+    }
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            for table, column, model in (
+                ("pool", "config", "PoolConfig"),
+                ("run", "overrides", "RunOverrides"),
+            ):
+                rows = (await conn.execute(text(f"SELECT id, {column} FROM {table}"))).all()
+                for row_id, raw in rows:
+                    value = json.loads(raw) if isinstance(raw, str) else raw
+                    kept = {k: v for k, v in (value or {}).items() if k in fields[model]}
+                    if kept != value:
+                        update = text(f"UPDATE {table} SET {column} = :v WHERE id = :id")
+                        await conn.execute(update, {"v": json.dumps(kept), "id": row_id})
+    finally:
+        await engine.dispose()
+    return head
 
 
 def start_server(
@@ -139,6 +215,10 @@ def start_server(
         env["EXGRPO_MAX_ACTIVE_REQUESTS"] = str(MAX_ACTIVE)
     if script == SERVE and SQLITE_DRIVER is not None:
         env["EXGRPO_SQLITE_DRIVER"] = SQLITE_DRIVER
+    if script == SERVE and SERVICE_SRC is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (older_service_path(SERVICE_SRC), env.get("PYTHONPATH", "")) if p
+        )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "wb") as logf:
@@ -966,6 +1046,10 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
                 "EXGRPO_REDIS_URL": opts.redis_url,
                 "EXGRPO_REDIS_PREFIX": redis_prefix,
             }
+        if SERVICE_SRC is not None:
+            head = await downgrade_to(env["EXGRPO_DATABASE_URL"], SERVICE_SRC)
+            log(f"  {tag}: schema down to {head} for the service of {SERVICE_SRC}")
+            res["service_src_schema"] = head
         log(f"  {tag}: starting service")
         server = await asyncio.to_thread(start_server, env, log_path, profile_path)
         if backend == "postgres":
@@ -1279,7 +1363,7 @@ def environment() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "argv": sys.argv[1:],
-        "service_package": _service_path(),
+        "service_package": str(SERVICE_SRC.resolve()) if SERVICE_SRC else _service_path(),
         "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
     }
 
@@ -1356,6 +1440,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "the service's own)",
     )
     ap.add_argument(
+        "--service-src",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run the service of an older tree (`git archive <commit> services clients | tar -x -C DIR`) "
+        "on a copy taken down to its schema; this tree's client and floor stay",
+    )
+    ap.add_argument(
         "--sqlite-driver",
         choices=("thread", "inline"),
         default=None,
@@ -1387,8 +1479,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global SERVICE_WORKERS, MAX_ACTIVE, SQLITE_DRIVER
+    global SERVICE_WORKERS, MAX_ACTIVE, SQLITE_DRIVER, SERVICE_SRC
     args = parse(argv)
+    SERVICE_SRC = args.service_src
     SERVICE_WORKERS = args.service_workers
     MAX_ACTIVE = args.max_active
     SQLITE_DRIVER = args.sqlite_driver
