@@ -1,0 +1,151 @@
+"""What the dashboard's reads cost: run stats, pool stats and a page of questions, in one process.
+
+On a copy of the cached seeded pool of ``--size`` questions (``pool_bench.py`` seeds it), SQLite
+or Postgres + Redis, ``--runs`` runs in the mixed phase each plan and commit ``--steps`` batches
+(128 groups x 8 rollouts in frames, as pool_bench's trainers send them), so that every run has a
+last committed batch and stored trajectories. Then each read is sent through the whole app with
+``httpx.ASGITransport``, ``--rounds`` rounds of 10, and the process's CPU per request (all threads:
+SQLite's work included, Postgres's not) is printed as the median of the rounds. Pool stats read
+the totals and every run's stats; the 50-client mix of ``pool_bench.py`` sends one pool stats in
+four reads.
+
+    .venv/bin/python bench/stats_bench.py [--backend sqlite|postgres] [--runs 20] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _seed
+import pool_bench as pb
+
+from exgrpo_client import frames
+from exgrpo_pool.app import create_app
+from exgrpo_pool.config import Settings
+
+
+@contextlib.asynccontextmanager
+async def _service(args: argparse.Namespace, tmp: Path) -> AsyncIterator[httpx.AsyncClient]:
+    prefix = f"bench-stats-{uuid.uuid4().hex[:8]}"
+    database = "exgrpo_bench_stats"
+    if args.backend == "sqlite":
+        seed = pb.CACHE / f"sqlite-{args.size}.db"
+        if not seed.exists():
+            raise SystemExit(f"no seeded pool at {seed}: run pool_bench.py --sizes {args.size} first")
+        _seed.copy_sqlite(seed, tmp / "pool.db")
+        settings = Settings(database_url=f"sqlite+aiosqlite:///{tmp / 'pool.db'}", allow_anonymous=True)
+    else:
+        template = f"exgrpo_bench_seed_{args.size}"
+        if not await _seed.pg_exists(args.pg_dsn, template):
+            raise SystemExit(f"no seeded database {template}: run pool_bench.py --backends postgres first")
+        await _seed.copy_postgres(args.pg_dsn, template, database)
+        settings = Settings(
+            database_url=_seed.pg_url(args.pg_dsn, database, driver=True),
+            redis_url=args.redis_url,
+            redis_prefix=prefix,
+            allow_anonymous=True,
+        )
+    app = create_app(settings, freeze_heap=True)
+    try:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://pool", timeout=120) as client:
+                yield client
+    finally:
+        if args.backend == "postgres":
+            import redis
+
+            r = redis.Redis.from_url(args.redis_url)
+            for key in r.scan_iter(f"{prefix}:*"):
+                r.delete(key)
+            await _seed.pg_admin(args.pg_dsn, f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+
+
+async def _train(client: httpx.AsyncClient, runs: list[str], steps: int) -> None:
+    prefix = f"/v1/pools/{_seed.POOL_NAME}"
+    trainer = pb.Trainer(0)
+    for i, name in enumerate(runs):
+        r = await client.post(f"{prefix}/runs", json={"name": name, "seed": i, "phase": "mixed"})
+        if r.status_code != 201:
+            raise SystemExit(f"create run: {r.status_code} {r.text[:300]}")
+    for _ in range(steps):
+        for name in runs:
+            path = f"{prefix}/runs/{name}/batches"
+            r = await client.post(path, json={"candidates": "all"}, headers={"accept": frames.MEDIA_TYPE})
+            if r.status_code != 201:
+                raise SystemExit(f"plan: {r.status_code} {r.text[:300]}")
+            plan = pb.answer(r)
+            body = trainer.commit_body(plan, "binary")
+            path = f"{prefix}/batches/{plan['id']}/commit"
+            r = await client.post(path, content=body, headers={"content-type": frames.MEDIA_TYPE})
+            if r.status_code != 200:
+                raise SystemExit(f"commit: {r.status_code} {r.text[:300]}")
+
+
+async def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    prefix = f"/v1/pools/{_seed.POOL_NAME}"
+    runs = [f"stats-{i}" for i in range(args.runs)]
+    reads = {
+        "run stats": f"{prefix}/runs/{runs[len(runs) // 2]}/stats",
+        "pool stats": f"{prefix}/stats",
+        "questions (50)": f"{prefix}/questions?limit=50",
+    }
+    out: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        async with _service(args, Path(tmp)) as client:
+            await _train(client, runs, args.steps)
+            cpu: dict[str, list[float]] = {name: [] for name in reads}
+            size: dict[str, int] = {}
+            for name, url in reads.items():  # warm-up
+                for _ in range(3):
+                    r = await client.get(url)
+                    if r.status_code != 200:
+                        raise SystemExit(f"{name}: {r.status_code} {r.text[:300]}")
+                size[name] = len(r.content)
+            for _ in range(args.rounds):  # the reads take turns, round by round
+                for name, url in reads.items():
+                    c0 = time.process_time()
+                    for _ in range(10):
+                        await client.get(url)
+                    cpu[name].append((time.process_time() - c0) / 10 * 1000)
+            for name in reads:
+                out[name] = {"cpu_ms": statistics.median(cpu[name]), "bytes": size[name]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=("sqlite", "postgres"), default="sqlite")
+    ap.add_argument("--size", type=int, default=10_000)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--pg-dsn", default="postgresql://postgres@127.0.0.1:5432")
+    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    args = ap.parse_args()
+    res = asyncio.run(measure(args))
+    print(
+        f"\n{args.backend}, {args.size:,} questions, {args.runs} runs of {args.steps} committed steps"
+        f" (+ the seeded run), median of {args.rounds} rounds of 10\n"
+    )
+    print("| request | CPU ms | answer bytes |")
+    print("|---|---:|---:|")
+    for name, r in res.items():
+        print(f"| {name} | {r['cpu_ms']:.2f} | {r['bytes']:,} |")
+
+
+if __name__ == "__main__":
+    main()
