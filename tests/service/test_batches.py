@@ -373,6 +373,8 @@ async def test_commit_with_stats_answers_the_run_stats_it_leaves(client: httpx.A
         answers.append((plan, body, result))
     final = answers[-1][2]["stats"]
     assert final["eligible"] > 0 and final["retired"] > 0 and final["trajectories"] > 0
+    # the count read back from the stored plan (GET) and the one the commit took from its own plan
+    assert any(r["stats"]["replayed_last_step"] > 0 for _, _, r in answers)
     assert len({json.dumps(r["stats"], sort_keys=True) for _, _, r in answers}) == len(answers)
 
     # a commit sent again, even after later commits, answers the stats as that commit left them

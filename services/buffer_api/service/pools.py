@@ -310,8 +310,7 @@ async def run_stats(ctx: Context, pool: Pool, name: str) -> s.RunStats:
 
 async def pool_stats(ctx: Context, pool: Pool) -> s.PoolStats:
     async with ctx.db.read() as session:
-        nq, nt, nr = await repo.pool_counts(session, pool.id)
-        tokens = await repo.pool_tokens(session, pool.id)
+        nq, nt, nr, tokens = await repo.pool_totals(session, pool.id)
         all_runs = await repo.list_runs(session, pool.id)
         runs = await collect_runs_stats(ctx, session, pool, all_runs)
     ctx.metrics.pool_questions.labels(pool.name).set(nq)

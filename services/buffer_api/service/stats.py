@@ -37,14 +37,13 @@ async def collect_runs_stats(
     ids = [run.id for run in runs]
     trajectories = await repo.run_trajectory_counts(session, ids, utcnow() - timedelta(minutes=5))
     if last is not None:
-        plans = {last.run_id: last.plan}
+        replayed = {last.run_id: len(s.StoredPlan.model_validate(last.plan).replay)}
     else:
-        plans = await repo.last_committed_plans(session, ids)
+        replayed = await repo.last_replay_counts(session, ids)
     out: list[s.RunStats] = []
     for run in runs:
         hist, retired, seen = states[scopes[run.id]]
         total, recent = trajectories[run.id]
-        plan = plans.get(run.id)
         eligible = sum(hist.values())
         ctx.metrics.run_eligible.labels(pool.name, run.name).set(eligible)
         ctx.metrics.run_retired.labels(pool.name, run.name).set(retired)
@@ -60,7 +59,7 @@ async def collect_runs_stats(
                 retired=retired,
                 seen=seen,
                 trajectories=total,
-                replayed_last_step=0 if plan is None else len(s.StoredPlan.model_validate(plan).replay),
+                replayed_last_step=replayed.get(run.id, 0),
                 ingest_per_minute=recent / 5.0,
             )
         )

@@ -11,7 +11,7 @@ from operator import itemgetter
 from typing import Any, NamedTuple, cast
 
 import numpy as np
-from sqlalchemy import ColumnElement, Select, Table, and_, case, delete, func, or_, select, update
+from sqlalchemy import ColumnElement, Select, Table, and_, case, delete, func, or_, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -226,12 +226,27 @@ async def list_pools(session: AsyncSession) -> list[Pool]:
 
 
 async def pool_counts(session: AsyncSession, pool_id: int) -> tuple[int, int, int]:
-    nq = await session.scalar(select(func.count()).select_from(Question).where(Question.pool_id == pool_id))
-    nt = await session.scalar(
-        select(func.count()).select_from(Trajectory).where(Trajectory.pool_id == pool_id)
-    )
-    nr = await session.scalar(select(func.count()).select_from(Run).where(Run.pool_id == pool_id))
-    return int(nq or 0), int(nt or 0), int(nr or 0)
+    """(questions, trajectories, runs) of a pool, in one statement."""
+    nq, nt, nr, _ = await pool_totals(session, pool_id, tokens=False)
+    return nq, nt, nr
+
+
+async def pool_totals(
+    session: AsyncSession, pool_id: int, *, tokens: bool = True
+) -> tuple[int, int, int, int]:
+    """(questions, trajectories, runs, payload tokens) of a pool in one statement (three one-row
+    aggregates side by side); the trajectory count and the token sum in one pass over the
+    trajectory index. Without `tokens` the sum is not taken and 0 is returned for it."""
+    q = select(func.count().label("n")).select_from(Question).where(Question.pool_id == pool_id).subquery()
+    t_cols = [func.count().label("n")]
+    if tokens:
+        t_cols.append(func.coalesce(func.sum(Trajectory.num_tokens), 0).label("tokens"))
+    t = select(*t_cols).select_from(Trajectory).where(Trajectory.pool_id == pool_id).subquery()
+    r = select(func.count().label("n")).select_from(Run).where(Run.pool_id == pool_id).subquery()
+    cols = [q.c.n, t.c.n, r.c.n] + ([t.c.tokens] if tokens else [])
+    one_row_each = q.join(t, true()).join(r, true())
+    row = (await session.execute(select(*cols).select_from(one_row_each))).one()
+    return int(row[0] or 0), int(row[1] or 0), int(row[2] or 0), int(row[3] or 0) if tokens else 0
 
 
 async def pool_tokens(session: AsyncSession, pool_id: int) -> int:
@@ -789,8 +804,10 @@ async def open_batch(session: AsyncSession, run_id: int, step: int) -> BatchRow 
     return None if row is None else BatchRow(*row)
 
 
-async def last_committed_plans(session: AsyncSession, run_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
-    """Per run that committed a batch: the stored plan of its last committed batch, in one query."""
+async def last_replay_counts(session: AsyncSession, run_ids: Sequence[int]) -> dict[int, int]:
+    """Per run that committed a batch: how many replayed questions its last committed batch had,
+    counted by the database in the stored plan (its `replay` list), in one query: the plans
+    themselves (~6 KB each) are neither sent nor parsed."""
     if not run_ids:
         return {}
     b = _batch_t.c
@@ -801,9 +818,13 @@ async def last_committed_plans(session: AsyncSession, run_ids: Sequence[int]) ->
         .group_by(b.run_id)
         .subquery()
     )
-    stmt = select(b.run_id, b.plan).join(last, and_(b.run_id == last.c.run_id, b.step == last.c.step))
+    if _is_pg(session):
+        replayed = func.jsonb_array_length(b.plan.op("->")("replay"))
+    else:
+        replayed = func.json_array_length(b.plan, "$.replay")
+    stmt = select(b.run_id, replayed).join(last, and_(b.run_id == last.c.run_id, b.step == last.c.step))
     stmt = stmt.where(b.status == "committed")
-    return {int(run_id): plan for run_id, plan in (await session.execute(stmt)).all()}
+    return {int(run_id): int(n or 0) for run_id, n in (await session.execute(stmt)).all()}
 
 
 # ------------------------------------------------------------------------------------- tasks
