@@ -39,8 +39,12 @@ from exgrpo_pool.store.models import (
 _IN_CHUNK = 5000  # bound on bound parameters per statement (SQLite allows 32766)
 
 
+def _dialect(session: AsyncSession) -> str:
+    return session.get_bind().dialect.name
+
+
 def _insert(session: AsyncSession, table: Any) -> Any:
-    return _insert_for(session.get_bind().dialect.name, table)
+    return _insert_for(_dialect(session), table)
 
 
 def _insert_for(dialect: str, table: Any) -> Any:
@@ -53,7 +57,7 @@ def _chunks(seq: Sequence[Any], n: int = _IN_CHUNK) -> Iterable[Sequence[Any]]:
 
 
 def _is_pg(session: AsyncSession) -> bool:
-    return session.get_bind().dialect.name == "postgresql"
+    return _dialect(session) == "postgresql"
 
 
 def _locked(session: AsyncSession, stmt: Select[Any]) -> Select[Any]:
@@ -337,7 +341,7 @@ async def question_ids_by_hash(
 
 async def question_ids(session: AsyncSession, pool_id: int) -> np.ndarray:
     # one aggregated value instead of a million result rows (about 5x faster at 1M questions)
-    if session.get_bind().dialect.name == "postgresql":
+    if _is_pg(session):
         agg = func.array_agg(aggregate_order_by(Question.id, Question.id))
         ids = await session.scalar(select(agg).where(Question.pool_id == pool_id))
         return np.array(ids or [], dtype=np.int64)
@@ -440,7 +444,7 @@ async def upsert_decided_states(session: AsyncSession, rows: list[dict[str, Any]
     the retired set. (`upsert_states` with one kind per statement does the same.)"""
     if not rows:
         return
-    stmt = _decided_states_upsert(session.get_bind().dialect.name)
+    stmt = _decided_states_upsert(_dialect(session))
     for chunk in _chunks(rows, 1000):
         await session.execute(stmt, list(chunk))
 
@@ -857,7 +861,7 @@ def _lease(
 
 def _skip_locked(session: AsyncSession, stmt: Select[Any]) -> Select[Any]:
     # Postgres: concurrent claimers skip each other's rows instead of waiting on them
-    if session.get_bind().dialect.name == "postgresql":
+    if _is_pg(session):
         return stmt.with_for_update(skip_locked=True)
     return stmt
 
@@ -968,7 +972,7 @@ async def merge_run_metrics(session: AsyncSession, run_id: int, step: int, metri
     """Add `metrics` to the run's numbers of `step` (a name sent again takes the new value), in
     one statement. Callers hold the run's row lock, which serialises writers of one run."""
     row = {"run_id": run_id, "step": step, "metrics": dict(metrics), "updated_at": utcnow()}
-    await session.execute(_run_metrics_upsert(session.get_bind().dialect.name), row)
+    await session.execute(_run_metrics_upsert(_dialect(session)), row)
 
 
 @functools.cache
