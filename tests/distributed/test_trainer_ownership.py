@@ -100,19 +100,21 @@ def test_the_lease_is_renewed_while_a_step_runs(
     live_server: Any, pool_name: str, tiny_model: Path, tmp_path: Path
 ) -> None:
     url = live_server.url
+    # a lifetime of 3 s, renewed every second: the service shares this process and a busy CI
+    # machine with other tests, and a lifetime of 1 s once lapsed there between two renewals
     refusals: list[str] = []
     with Client(url) as client:
         make_pool(client, pool_name)
 
         def slow_hook(trainer: Trainer, metrics: dict[str, float]) -> bool:
-            time.sleep(2.5)  # 2.5 lease lifetimes: only renewals keep the run owned
+            time.sleep(6.5)  # over two lease lifetimes: only renewals keep the run owned
             try:
                 client.acquire_run_lease(pool_name, "shared", "intruder", ttl_s=5)
             except Conflict as e:
                 refusals.append(e.detail)
             return False
 
-        cfg = _config(url, pool_name, tiny_model, tmp_path / "out", "run.steps=2", "run.lease_ttl_s=1")
+        cfg = _config(url, pool_name, tiny_model, tmp_path / "out", "run.steps=2", "run.lease_ttl_s=3")
         trainer = run_training(cfg, on_step=slow_hook)
         assert trainer.step == 2
         assert len(refusals) == 2 and all(trainer.session.holder in r for r in refusals)
