@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,10 +118,22 @@ async def test_connections_the_server_closed_are_replaced_without_an_error(own_p
         await asyncio.gather(*(client.get("/v1/pools/p1") for _ in range(4)))
         admin = await asyncpg.connect(own_postgres.url.replace("+asyncpg", ""))
         try:
+            pids = [
+                r["pid"]
+                for r in await admin.fetch(
+                    "SELECT pid FROM pg_stat_activity "
+                    "WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
+                )
+            ]
             ended = await admin.fetchval(
-                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM unnest($1::int[]) AS pid", pids
             )
+            # a terminated backend exits when it gets to it: wait until all are gone (a busy
+            # machine can take longer than the wait below)
+            deadline = time.monotonic() + 30
+            while await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)", pids):
+                assert time.monotonic() < deadline, "terminated backends still there after 30 s"
+                await asyncio.sleep(0.05)
         finally:
             await admin.close()
         assert ended >= 1

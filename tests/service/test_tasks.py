@@ -104,18 +104,19 @@ async def test_lease_expiry_and_lost_leases(client: httpx.AsyncClient) -> None:
     metrics = (await client.get("/metrics")).text
     expiries = _metric(metrics, "exgrpo_task_lease_expiries_total")
 
-    [slow] = await _claim(client, "slow", 1, lease=0.2)
+    # leases of 0.6 s: the three requests before the wait must come within one on a busy machine
+    [slow] = await _claim(client, "slow", 1, lease=0.6)
     # a wrong token is refused while the lease is valid
     wrong = await _complete(client, slow, token="not-the-token")
     assert wrong.status_code == 409 and "lease lost" in wrong.json()["detail"]
     renewed = ok(
         await client.post(
             f"/v1/pools/p1/tasks/{slow['id']}/renew",
-            json={"lease_token": slow["lease_token"], "lease_seconds": 0.2},
+            json={"lease_token": slow["lease_token"], "lease_seconds": 0.6},
         )
     )
     assert _time(renewed["lease_expires_at"]) >= _time(slow["lease_expires_at"])
-    await asyncio.sleep(0.35)
+    await asyncio.sleep(0.8)
 
     [taken] = await _claim(client, "fast", 1)
     assert taken["id"] == slow["id"] and taken["lease_token"] != slow["lease_token"]
