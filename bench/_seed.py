@@ -16,21 +16,24 @@ databases are cached (Postgres: database ``exgrpo_bench_seed_<N>``; SQLite: a fi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import asyncpg
 import numpy as np
 
 from exgrpo_client import schemas as s
+from exgrpo_pool.config import Settings
 from exgrpo_pool.domain import epoch_order, trajectory_key
 from exgrpo_pool.service.convert import content_hash
 from exgrpo_pool.store import db as dbmod
@@ -483,3 +486,59 @@ async def copy_postgres(dsn: str, template: str, database: str) -> float:
         f"CREATE DATABASE {database} TEMPLATE {template} STRATEGY FILE_COPY",
     )
     return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------- copies to measure on
+class SeededCopy(NamedTuple):
+    url: str
+    """The copy's plain address: a SQLite file's path, or a Postgres URL without the driver."""
+    settings: Settings
+    """The service's settings on the copy (anonymous access; Postgres with Redis under a prefix
+    of its own)."""
+
+
+@contextlib.asynccontextmanager
+async def seeded_copy(
+    backend: str,
+    size: int,
+    cache: Path,
+    tmp: Path,
+    name: str,
+    *,
+    pg_dsn: str = "",
+    redis_url: str = "",
+) -> AsyncIterator[SeededCopy]:
+    """A copy of the cached seeded pool of `size` questions (`pool_bench.py` seeds it into `cache`
+    and the template database `exgrpo_bench_seed_<size>`), named `name`: the SQLite file
+    `tmp/<name>.db`, or the Postgres database `<name>`. The Postgres database and the Redis keys
+    under the copy's prefix are removed at the end."""
+    prefix = f"{name}-{uuid.uuid4().hex[:8]}"
+    if backend == "sqlite":
+        seed = cache / f"sqlite-{size}.db"
+        if not seed.exists():
+            raise SystemExit(f"no seeded pool at {seed}: run pool_bench.py --sizes {size} first")
+        path = tmp / f"{name}.db"
+        copy_sqlite(seed, path)
+        yield SeededCopy(
+            str(path), Settings(database_url=f"sqlite+aiosqlite:///{path}", allow_anonymous=True)
+        )
+        return
+    template = f"exgrpo_bench_seed_{size}"
+    if not await pg_exists(pg_dsn, template):
+        raise SystemExit(f"no seeded database {template}: run pool_bench.py --backends postgres first")
+    await copy_postgres(pg_dsn, template, name)
+    settings = Settings(
+        database_url=pg_url(pg_dsn, name, driver=True),
+        redis_url=redis_url,
+        redis_prefix=prefix,
+        allow_anonymous=True,
+    )
+    try:
+        yield SeededCopy(pg_url(pg_dsn, name), settings)
+    finally:
+        import redis
+
+        r = redis.Redis.from_url(redis_url)
+        for key in r.scan_iter(f"{prefix}:*"):
+            r.delete(key)
+        await pg_admin(pg_dsn, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

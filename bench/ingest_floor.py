@@ -24,7 +24,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,6 @@ import pool_bench as pb
 
 from exgrpo_client import frames
 from exgrpo_pool.app import create_app
-from exgrpo_pool.config import Settings
 
 SIDES = ("service", "floor")
 
@@ -49,53 +47,27 @@ async def _apps(
     backend: str, size: int, tmp: Path, args: argparse.Namespace
 ) -> AsyncIterator[dict[str, Any]]:
     """The service's app and the floor's, each on its own copy of the seeded pool."""
-    redis_prefix = f"bench-ingest-{uuid.uuid4().hex[:8]}"
-    if backend == "sqlite":
-        seed = pb.CACHE / f"sqlite-{size}.db"
-        if not seed.exists():
-            raise SystemExit(f"no seeded pool at {seed}: run pool_bench.py --sizes {size} first")
-        _seed.copy_sqlite(seed, tmp / "service.db")
-        _seed.copy_sqlite(seed, tmp / "floor.db")
-        settings = Settings(database_url=f"sqlite+aiosqlite:///{tmp / 'service.db'}", allow_anonymous=True)
-        floor_url = str(tmp / "floor.db")
-    else:
-        template = f"exgrpo_bench_seed_{size}"
-        if not await _seed.pg_exists(args.pg_dsn, template):
-            raise SystemExit(f"no seeded database {template}: run pool_bench.py --backends postgres first")
-        names = {side: f"exgrpo_bench_ingest_{side}" for side in SIDES}
-        for name in names.values():
-            await _seed.copy_postgres(args.pg_dsn, template, name)
-        settings = Settings(
-            database_url=_seed.pg_url(args.pg_dsn, names["service"], driver=True),
-            redis_url=args.redis_url,
-            redis_prefix=redis_prefix,
-            allow_anonymous=True,
-        )
-        floor_url = _seed.pg_url(args.pg_dsn, names["floor"])
-    app = create_app(settings, freeze_heap=True)
-    floor = _floor.Floor(await _floor._connect(floor_url))
-    await floor.load()
-    try:
-        async with contextlib.AsyncExitStack() as stack:
-            await stack.enter_async_context(app.router.lifespan_context(app))
-            clients = {}
-            for side, asgi in (("service", app), ("floor", _floor.app_for(floor))):
-                transport = httpx.ASGITransport(app=asgi)
-                clients[side] = await stack.enter_async_context(
-                    httpx.AsyncClient(transport=transport, base_url=f"http://{side}", timeout=120)
+    async with contextlib.AsyncExitStack() as stack:
+        copies = {
+            side: await stack.enter_async_context(
+                _seed.seeded_copy(
+                    backend, size, pb.CACHE, tmp, f"exgrpo_bench_ingest_{side}",
+                    pg_dsn=args.pg_dsn, redis_url=args.redis_url,
                 )
-            yield {"clients": clients, "app": app, "floor": floor}
-    finally:
-        if backend == "postgres":
-            import redis
-
-            r = redis.Redis.from_url(args.redis_url)
-            for key in r.scan_iter(f"{redis_prefix}:*"):
-                r.delete(key)
-            for side in SIDES:
-                await _seed.pg_admin(
-                    args.pg_dsn, f"DROP DATABASE IF EXISTS exgrpo_bench_ingest_{side} WITH (FORCE)"
-                )
+            )
+            for side in SIDES
+        }  # fmt: skip
+        app = create_app(copies["service"].settings, freeze_heap=True)
+        floor = _floor.Floor(await _floor._connect(copies["floor"].url))
+        await floor.load()
+        await stack.enter_async_context(app.router.lifespan_context(app))
+        clients = {}
+        for side, asgi in (("service", app), ("floor", _floor.app_for(floor))):
+            transport = httpx.ASGITransport(app=asgi)
+            clients[side] = await stack.enter_async_context(
+                httpx.AsyncClient(transport=transport, base_url=f"http://{side}", timeout=120)
+            )
+        yield {"clients": clients, "app": app, "floor": floor}
 
 
 async def _settle(side: str, apps: dict[str, Any]) -> None:

@@ -21,7 +21,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -34,44 +33,25 @@ import pool_bench as pb
 
 from exgrpo_client import frames
 from exgrpo_pool.app import create_app
-from exgrpo_pool.config import Settings
 
 
 @contextlib.asynccontextmanager
 async def _service(args: argparse.Namespace, tmp: Path) -> AsyncIterator[httpx.AsyncClient]:
-    prefix = f"bench-stats-{uuid.uuid4().hex[:8]}"
-    database = "exgrpo_bench_stats"
-    if args.backend == "sqlite":
-        seed = pb.CACHE / f"sqlite-{args.size}.db"
-        if not seed.exists():
-            raise SystemExit(f"no seeded pool at {seed}: run pool_bench.py --sizes {args.size} first")
-        _seed.copy_sqlite(seed, tmp / "pool.db")
-        settings = Settings(database_url=f"sqlite+aiosqlite:///{tmp / 'pool.db'}", allow_anonymous=True)
-    else:
-        template = f"exgrpo_bench_seed_{args.size}"
-        if not await _seed.pg_exists(args.pg_dsn, template):
-            raise SystemExit(f"no seeded database {template}: run pool_bench.py --backends postgres first")
-        await _seed.copy_postgres(args.pg_dsn, template, database)
-        settings = Settings(
-            database_url=_seed.pg_url(args.pg_dsn, database, driver=True),
-            redis_url=args.redis_url,
-            redis_prefix=prefix,
-            allow_anonymous=True,
-        )
-    app = create_app(settings, freeze_heap=True)
-    try:
+    copy = _seed.seeded_copy(
+        args.backend,
+        args.size,
+        pb.CACHE,
+        tmp,
+        "exgrpo_bench_stats",
+        pg_dsn=args.pg_dsn,
+        redis_url=args.redis_url,
+    )
+    async with copy as seeded:
+        app = create_app(seeded.settings, freeze_heap=True)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://pool", timeout=120) as client:
                 yield client
-    finally:
-        if args.backend == "postgres":
-            import redis
-
-            r = redis.Redis.from_url(args.redis_url)
-            for key in r.scan_iter(f"{prefix}:*"):
-                r.delete(key)
-            await _seed.pg_admin(args.pg_dsn, f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
 
 
 async def _train(client: httpx.AsyncClient, runs: list[str], steps: int) -> None:
