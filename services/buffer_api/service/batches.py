@@ -483,8 +483,7 @@ async def _batch_and_run(session: AsyncSession, pool: Pool, batch_id: str) -> tu
 
 
 # ---------------------------------------------------------------------------------- commit
-def _check_against_plan(batch: BatchRow, groups: list[s.GroupResult]) -> None:
-    plan = stored_plan(batch)
+def _check_against_plan(batch_id: str, plan: s.StoredPlan, groups: list[s.GroupResult]) -> None:
     expected = Counter([(q, False) for q in plan.fresh] + [(p.question_id, True) for p in plan.replay])
     got = Counter((g.question_id, any(r.replayed for r in g.rollouts)) for g in groups)
     if expected == got:
@@ -512,7 +511,7 @@ def _check_against_plan(batch: BatchRow, groups: list[s.GroupResult]) -> None:
     if unplanned:
         parts.append(f"question ids {[q for q, _ in unplanned][:20]} are not planned in it (or sent twice)")
     raise BadRequest(
-        f"groups do not match batch {batch.id}: {'; '.join(parts[:20])} (send one group per planned question)"
+        f"groups do not match batch {batch_id}: {'; '.join(parts[:20])} (send one group per planned question)"
     )
 
 
@@ -539,7 +538,8 @@ async def commit_batch(
                 f"batch {batch_id} is for step {batch.step} but run {run.name!r} is at step "
                 f"{run.step}; plan a new batch"
             )
-        _check_against_plan(batch, req.groups)
+        plan = stored_plan(batch)
+        _check_against_plan(batch.id, plan, req.groups)
         rules = rules_for(pool, run)
         scopes = scopes_of(pool, run)
         version = batch.policy_version if req.policy_version is None else req.policy_version
@@ -583,7 +583,7 @@ async def commit_batch(
             {
                 **req.metrics,
                 "batch/solved": solved,
-                "batch/replayed_questions": float(len(stored_plan(batch).replay)),
+                "batch/replayed_questions": float(len(plan.replay)),
                 "pool/stored_trajectories": float(applied.stored),
                 "pool/retired": float(applied.retired),
             },
@@ -591,7 +591,7 @@ async def commit_batch(
         result = _result(batch.id, run, solved, switched, applied)
         if req.with_stats:
             # read in this transaction, after its writes: the state the commit leaves behind
-            result.stats = await collect_run_stats(ctx, session, pool, run, last=batch)
+            result.stats = await collect_run_stats(ctx, session, pool, run, replayed=len(plan.replay))
         await repo.update_batch(
             session,
             batch.id,

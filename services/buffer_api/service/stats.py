@@ -12,14 +12,15 @@ from exgrpo_client import schemas as s
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import scope_of
 from exgrpo_pool.store import repo
-from exgrpo_pool.store.models import AnyBatch, AnyPool, AnyRun, utcnow
+from exgrpo_pool.store.models import AnyPool, AnyRun, utcnow
 
 
 async def collect_run_stats(
-    ctx: Context, session: AsyncSession, pool: AnyPool, run: AnyRun, *, last: AnyBatch | None = None
+    ctx: Context, session: AsyncSession, pool: AnyPool, run: AnyRun, *, replayed: int | None = None
 ) -> s.RunStats:
-    """`last`: the run's last committed batch, when the caller holds it (a commit: its own batch)."""
-    return (await collect_runs_stats(ctx, session, pool, [run], last=last))[0]
+    """`replayed`: how many questions the run's last committed batch replayed, when the caller
+    knows (a commit: its own plan's)."""
+    return (await collect_runs_stats(ctx, session, pool, [run], replayed=replayed))[0]
 
 
 async def collect_runs_stats(
@@ -28,18 +29,19 @@ async def collect_runs_stats(
     pool: AnyPool,
     runs: Sequence[AnyRun],
     *,
-    last: AnyBatch | None = None,
+    replayed: int | None = None,
 ) -> list[s.RunStats]:
     """The stats of runs of one pool, in the runs' order, with a statement per kind of count
-    whatever the number of runs. `last`: the last committed batch of the one run given."""
+    whatever the number of runs. `replayed`: the replay count of the one run given's last
+    committed batch (else read from the stored plans)."""
     scopes = {run.id: scope_of(pool, run) for run in runs}
     states = await repo.state_counts(session, list(scopes.values()))
     ids = [run.id for run in runs]
     trajectories = await repo.run_trajectory_counts(session, ids, utcnow() - timedelta(minutes=5))
-    if last is not None:
-        replayed = {last.run_id: len(s.StoredPlan.model_validate(last.plan).replay)}
+    if replayed is not None:
+        counts = {runs[0].id: replayed}
     else:
-        replayed = await repo.last_replay_counts(session, ids)
+        counts = await repo.last_replay_counts(session, ids)
     out: list[s.RunStats] = []
     for run in runs:
         hist, retired, seen = states[scopes[run.id]]
@@ -59,7 +61,7 @@ async def collect_runs_stats(
                 retired=retired,
                 seen=seen,
                 trajectories=total,
-                replayed_last_step=replayed.get(run.id, 0),
+                replayed_last_step=counts.get(run.id, 0),
                 ingest_per_minute=recent / 5.0,
             )
         )
