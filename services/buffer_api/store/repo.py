@@ -11,7 +11,20 @@ from operator import itemgetter
 from typing import Any, NamedTuple, cast
 
 import numpy as np
-from sqlalchemy import ColumnElement, Select, Table, and_, case, delete, func, or_, select, true, update
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    Table,
+    and_,
+    bindparam,
+    case,
+    delete,
+    func,
+    or_,
+    select,
+    true,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -128,6 +141,20 @@ async def get_lease_row(session: AsyncSession, run_id: int) -> LeaseRow | None:
     return None if row is None else LeaseRow(*row)
 
 
+@functools.cache
+def _run_rows_stmt(joined: bool, for_update: bool) -> Select[Any]:
+    """`run_rows`'s statement, built once per form (building it is most of a small request's
+    statement cost): the pool and run names are bound at execution."""
+    source = _run_t.join(_pool_t, _pool_t.c.id == _run_t.c.pool_id)
+    cols = [*_POOL_COLS, *_RUN_COLS]
+    if joined:
+        source = source.outerjoin(_lease_t, _lease_t.c.run_id == _run_t.c.id)
+        cols += _LEASE_COLS
+    stmt = select(*cols).select_from(source)
+    stmt = stmt.where(_pool_t.c.name == bindparam("pool_name"), _run_t.c.name == bindparam("run_name"))
+    return stmt.with_for_update(of=_run_t) if for_update else stmt
+
+
 async def run_rows(
     session: AsyncSession, pool_name: str, run_name: str, *, lock: bool = False, lease: bool = False
 ) -> tuple[PoolRow, RunRow, LeaseRow | None] | None:
@@ -137,15 +164,8 @@ async def run_rows(
     the other tables' rows as they were when it started, and a take-over committed meanwhile
     would go unseen. (SQLite serialises writers before their first statement.)"""
     joined = lease and not (lock and _is_pg(session))
-    source = _run_t.join(_pool_t, _pool_t.c.id == _run_t.c.pool_id)
-    cols = [*_POOL_COLS, *_RUN_COLS]
-    if joined:
-        source = source.outerjoin(_lease_t, _lease_t.c.run_id == _run_t.c.id)
-        cols += _LEASE_COLS
-    stmt = select(*cols).select_from(source).where(_pool_t.c.name == pool_name, _run_t.c.name == run_name)
-    if lock and _is_pg(session):
-        stmt = stmt.with_for_update(of=_run_t)
-    row = (await session.execute(stmt)).first()
+    stmt = _run_rows_stmt(joined, lock and _is_pg(session))
+    row = (await session.execute(stmt, {"pool_name": pool_name, "run_name": run_name})).first()
     if row is None:
         return None
     values = tuple(row)
@@ -158,6 +178,27 @@ async def run_rows(
     return PoolRow(*values[:_NP]), run, found
 
 
+@functools.cache
+def _batch_rows_stmts(lock: bool, pg: bool) -> tuple[Select[Any], ...]:
+    """`batch_rows`'s statements, built once per form; the pool name and the batch id are bound
+    at execution. Locked on Postgres: the pool and run, row-locked, then the batch and the lease."""
+    source = _batch_t.join(_run_t, _run_t.c.id == _batch_t.c.run_id).join(
+        _pool_t, _pool_t.c.id == _run_t.c.pool_id
+    )
+    where = (_batch_t.c.id == bindparam("batch_id"), _pool_t.c.name == bindparam("pool_name"))
+    if lock and pg:
+        locked = select(*_POOL_COLS, *_RUN_COLS).select_from(source).where(*where).with_for_update(of=_run_t)
+        after = select(*_BATCH_COLS, *_LEASE_COLS).select_from(
+            _batch_t.outerjoin(_lease_t, _lease_t.c.run_id == _batch_t.c.run_id)
+        )
+        return locked, after.where(_batch_t.c.id == bindparam("batch_id"))
+    cols = [*_POOL_COLS, *_RUN_COLS, *_BATCH_COLS]
+    if lock:
+        source = source.outerjoin(_lease_t, _lease_t.c.run_id == _run_t.c.id)
+        cols += _LEASE_COLS
+    return (select(*cols).select_from(source).where(*where),)
+
+
 async def batch_rows(
     session: AsyncSession, pool_name: str, batch_id: str, *, lock: bool = False
 ) -> tuple[PoolRow, RunRow, BatchRow, LeaseRow | None] | None:
@@ -165,28 +206,19 @@ async def batch_rows(
     the run is row-locked and the batch and the run's lease are read after the lock (a second
     statement on Postgres, see `run_rows`): a concurrent commit of the batch that finished while
     this one waited is seen."""
-    source = _batch_t.join(_run_t, _run_t.c.id == _batch_t.c.run_id).join(
-        _pool_t, _pool_t.c.id == _run_t.c.pool_id
-    )
-    where = (_batch_t.c.id == batch_id, _pool_t.c.name == pool_name)
+    names = {"pool_name": pool_name, "batch_id": batch_id}
     if lock and _is_pg(session):
-        stmt = select(*_POOL_COLS, *_RUN_COLS).select_from(source).where(*where).with_for_update(of=_run_t)
-        row = (await session.execute(stmt)).first()
+        locked, after = _batch_rows_stmts(True, True)
+        row = (await session.execute(locked, names)).first()
         if row is None:
             return None
-        after = select(*_BATCH_COLS, *_LEASE_COLS).select_from(
-            _batch_t.outerjoin(_lease_t, _lease_t.c.run_id == _batch_t.c.run_id)
-        )
-        more = (await session.execute(after.where(_batch_t.c.id == batch_id))).first()
+        more = (await session.execute(after, {"batch_id": batch_id})).first()
         if more is None:
             return None
         values = (*row, *more)
     else:
-        cols = [*_POOL_COLS, *_RUN_COLS, *_BATCH_COLS]
-        if lock:
-            source = source.outerjoin(_lease_t, _lease_t.c.run_id == _run_t.c.id)
-            cols += _LEASE_COLS
-        found = (await session.execute(select(*cols).select_from(source).where(*where))).first()
+        (stmt,) = _batch_rows_stmts(lock, False)
+        found = (await session.execute(stmt, names)).first()
         if found is None:
             return None
         values = tuple(found)
