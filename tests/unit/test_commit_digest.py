@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from datetime import UTC, datetime
 from typing import Any
+
+import numpy as np
 
 from exgrpo_client import schemas as s
 from exgrpo_pool.service.convert import (
@@ -67,3 +70,17 @@ def test_a_batch_committed_with_the_legacy_digest_still_knows_its_commit() -> No
         assert set(batch.result) - {COMMIT_DIGEST, LEGACY_DIGEST} == set(answer)
     assert same_commit(_batch(answer), sent)  # committed before any digest existed
     assert committed_result is not None
+
+
+def test_the_digest_is_the_documented_byte_layout() -> None:
+    """Digests stored with committed batches must keep matching: the metadata's JSON, then per
+    rollout 0x01, the two payload lengths as 8-byte little-endian integers and the packed bytes
+    (0x00 for a rollout without a payload)."""
+    req = _commit([7, 8, 9], b64=False)
+    payload_fields = {"token_ids", "token_ids_b64", "logprobs", "logprobs_b64"}
+    without = {"groups": {"__all__": {"rollouts": {"__all__": payload_fields}}}}
+    meta = req.model_dump_json(include={"groups", "policy_version"}, exclude=without)
+    ids = np.asarray([7, 8, 9], dtype="<i4").tobytes()
+    lps = np.asarray([-0.5] * 3, dtype="<f4").tobytes()
+    layout = b"\x01" + len(ids).to_bytes(8, "little") + len(lps).to_bytes(8, "little") + ids + lps + b"\x00"
+    assert commit_digest(req) == hashlib.sha256(meta.encode() + layout).hexdigest()

@@ -104,7 +104,7 @@ def commit_digest(req: s.BatchCommit) -> str:
     JSON lists of the same commit give the same digest, so a commit sent again in another encoding
     is the same commit. (Hashing the JSON text, base64 included, cost ~21 ms of a 4.8 MB commit.)"""
     meta = req.model_dump_json(include={"groups", "policy_version"}, exclude=_WITHOUT_PAYLOADS)
-    h = hashlib.sha256(meta.encode())
+    parts: list[bytes] = [meta.encode()]
     for gi, g in enumerate(req.groups):
         for ri, r in enumerate(g.rollouts):
             packed = packed_of(r)
@@ -112,12 +112,15 @@ def commit_digest(req: s.BatchCommit) -> str:
                 arrays = decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
                 packed = None if arrays is None else (arrays[0].tobytes(), arrays[1].tobytes())
             if packed is None:
-                h.update(b"\x00")
+                parts.append(b"\x00")
                 continue
-            h.update(b"\x01" + len(packed[0]).to_bytes(8, "little") + len(packed[1]).to_bytes(8, "little"))
-            h.update(packed[0])
-            h.update(packed[1])
-    return h.hexdigest()
+            lengths = len(packed[0]).to_bytes(8, "little") + len(packed[1]).to_bytes(8, "little")
+            parts.append(b"\x01" + lengths)
+            parts += packed
+    # one update over one buffer: hashlib lets go of the GIL while it hashes it, so a digest
+    # computed in a thread runs beside the request's other work (`commit_batch`); an update per
+    # rollout would wait for the GIL after each of them
+    return hashlib.sha256(b"".join(parts)).hexdigest()
 
 
 def _legacy_digest(req: s.BatchCommit) -> str:
