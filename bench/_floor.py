@@ -52,6 +52,7 @@ import uvicorn
 
 from exgrpo_client import frames
 from exgrpo_client import schemas as s
+from exgrpo_pool.app import keep_freed_memory
 from exgrpo_pool.domain import (
     GroupAction,
     compose_batch,
@@ -832,6 +833,9 @@ async def _connect(url: str) -> Db:
 def main() -> None:
     url = os.environ["FLOOR_DATABASE"]
     port = int(os.environ["FLOOR_PORT"])
+    # the allocator setting of a serving process (`exgrpo serve`): a process-wide setting, not
+    # part of the work compared
+    keep_freed_memory()
 
     class Lazy:
         """Connects in uvicorn's event loop (asyncpg binds a connection to its loop)."""
