@@ -135,9 +135,12 @@ def _lease_row(values: Sequence[Any]) -> LeaseRow | None:
     return None if values[0] is None else LeaseRow(*values)
 
 
+_LEASE_OF_RUN = select(*_LEASE_COLS).where(_lease_t.c.run_id == bindparam("run_id"))
+
+
 async def get_lease_row(session: AsyncSession, run_id: int) -> LeaseRow | None:
     """The run's lease as a plain row (callers hold the run's row lock)."""
-    row = (await session.execute(select(*_LEASE_COLS).where(_lease_t.c.run_id == run_id))).first()
+    row = (await session.execute(_LEASE_OF_RUN, {"run_id": run_id})).first()
     return None if row is None else LeaseRow(*row)
 
 
