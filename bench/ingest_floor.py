@@ -9,7 +9,10 @@ Redis as `pool_bench.py` runs it), and sends both the very same ingest bodies th
 sends `--per-round` requests of `--groups` graded groups; the process's CPU (all threads: SQLite's
 work included, Postgres's and Redis's not) and the wall time per request are taken per round, each
 round ending when its side's background WAL checkpoint has finished, and the medians printed with
-service/floor.
+service/floor. The page faults (minor) and the system time per request are the process's too.
+
+`--allocator default` leaves glibc's allocator as it starts (the service's `keep_freed_memory()`
+not called), to measure what that setting changes; it applies to both sides, one process.
 
     .venv/bin/python bench/ingest_floor.py --backend sqlite --size 10000 --rounds 8 --encoding binary
     .venv/bin/python bench/ingest_floor.py --backend postgres --size 10000 --rounds 8
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import resource
 import statistics
 import sys
 import tempfile
@@ -36,6 +40,7 @@ import _floor
 import _seed
 import pool_bench as pb
 
+import exgrpo_pool.app
 from exgrpo_client import frames
 from exgrpo_pool.app import create_app
 
@@ -82,7 +87,11 @@ async def _settle(side: str, apps: dict[str, Any]) -> None:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
-    out: dict[str, dict[str, list[float]]] = {s: {"cpu": [], "wall": [], "stored": []} for s in SIDES}
+    out: dict[str, dict[str, list[float]]] = {
+        s: {"cpu": [], "wall": [], "stored": [], "faults": [], "sys": []} for s in SIDES
+    }
+    if args.allocator == "default":
+        exgrpo_pool.app.keep_freed_memory = lambda: False  # create_app's lifespan looks it up
     trainer, rng = pb.Trainer(0), np.random.default_rng(1)
     media = frames.MEDIA_TYPE if args.encoding == "binary" else "application/json"
     path = f"/v1/pools/{_seed.POOL_NAME}/runs/{_seed.RUN_NAME}/ingest"
@@ -99,6 +108,7 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
                 ]
                 for side in SIDES if r % 2 else SIDES[::-1]:
                     stored = 0
+                    r0 = resource.getrusage(resource.RUSAGE_SELF)
                     c0, w0 = time.process_time(), time.perf_counter()
                     for body in bodies:
                         resp = await clients[side].post(path, content=body, headers={"content-type": media})
@@ -106,7 +116,10 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
                             raise SystemExit(f"{side}: {resp.status_code} {resp.text[:300]}")
                         stored += resp.json()["stored_trajectories"]
                     await _settle(side, apps)
+                    r1 = resource.getrusage(resource.RUSAGE_SELF)
                     if r:
+                        out[side]["faults"].append((r1.ru_minflt - r0.ru_minflt) / len(bodies))
+                        out[side]["sys"].append((r1.ru_stime - r0.ru_stime) / len(bodies) * 1000)
                         out[side]["cpu"].append((time.process_time() - c0) / len(bodies) * 1000)
                         out[side]["wall"].append((time.perf_counter() - w0) / len(bodies) * 1000)
                         out[side]["stored"].append(stored / len(bodies))
@@ -124,23 +137,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--pg-dsn", default="postgresql://postgres@127.0.0.1:5432")
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--allocator", choices=("kept", "default"), default="kept")
     args = ap.parse_args()
     out = asyncio.run(measure(args))
     med = {s: {k: statistics.median(v) for k, v in out[s].items()} for s in SIDES}
     print(
         f"\n{args.backend}, {args.size:,} questions, {args.encoding}, {args.groups} groups per request, "
-        f"median of {args.rounds} rounds of {args.per_round}, per request\n"
+        f"median of {args.rounds} rounds of {args.per_round}, per request, allocator {args.allocator}\n"
     )
-    print("| side | CPU ms | wall ms | stored trajectories | trajectories/s |")
-    print("|---|---:|---:|---:|---:|")
+    print("| side | CPU ms | system ms | page faults | wall ms | stored trajectories | trajectories/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for s in SIDES:
         m = med[s]
         print(
-            f"| {s} | {m['cpu']:.1f} | {m['wall']:.1f} | {m['stored']:.0f} "
-            f"| {m['stored'] / m['wall'] * 1000:,.0f} |"
+            f"| {s} | {m['cpu']:.1f} | {m['sys']:.1f} | {m['faults']:,.0f} | {m['wall']:.1f} "
+            f"| {m['stored']:.0f} | {m['stored'] / m['wall'] * 1000:,.0f} |"
         )
     cpu, wall = med["service"]["cpu"] / med["floor"]["cpu"], med["service"]["wall"] / med["floor"]["wall"]
-    print(f"| service / floor | {cpu:.2f} | {wall:.2f} | | |")
+    print(f"| service / floor | {cpu:.2f} | | | {wall:.2f} | | |")
 
 
 if __name__ == "__main__":
