@@ -5,6 +5,8 @@ a batch committed once refuses other groups."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from service.factories import (
     run_stats,
     setup_pool,
 )
-from service.harness import ADMIN_TOKEN, Backend, bearer, serve
+from service.harness import ADMIN_TOKEN, Backend, bearer, db_rows, serve
 
 from .procs import FAULT_HEADER, FAULT_TRIALS, ServiceProcess, service_env
 
@@ -171,3 +173,23 @@ async def test_an_idempotent_write_that_fails_records_nothing(backend: Backend) 
         assert r.status_code == 409  # the run exists: refused, and the key is not used up
         r = await client.post("/v1/pools/p1/runs", json={"name": "r1"}, headers=_keyed("dup-run"))
         assert r.status_code == 409 and "idempotent-replayed" not in r.headers
+
+
+async def test_a_recorded_key_holds_the_hash_of_its_request(backend: Backend) -> None:
+    """The request's hash is computed beside the write and written with its answer: what is
+    committed is the hash of the route and the body as sent, whatever the write did meanwhile."""
+    async with serve(backend.settings()) as client:
+        await setup_pool(client, phase="mixed")
+        plan = await plan_batch(client)
+        body = make_groups(plan, correct_first(lambda q: 2))
+        raw = json.dumps(body).encode()
+        path = f"/v1/pools/p1/batches/{plan['id']}/commit"
+        headers = {**_keyed("hashed-commit"), "content-type": "application/json"}
+        assert (await client.post(path, content=raw, headers=headers)).status_code == 200
+        stored = await db_rows(backend.database_url, "SELECT route, request_hash FROM idempotency_key")
+        expected = hashlib.sha256(f"POST {path}\n".encode() + raw).hexdigest()
+        assert (f"POST {path}", expected) in stored
+        # and a replay with another body under the key is still told apart
+        other = make_groups(plan, correct_first(lambda q: 1))
+        clash = await client.post(path, json=other, headers=_keyed("hashed-commit"))
+        assert clash.status_code == 422 and "different request" in clash.json()["detail"]

@@ -14,6 +14,8 @@ import asyncpg
 import httpx
 import redis
 from asgi_lifespan import LifespanManager
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import Settings, TokenGrant
@@ -64,6 +66,16 @@ TOKENS = [
     TokenGrant(token=WRITE_P1_TOKEN, name="writer-p1", scopes=["read", "write:p1"]),
     TokenGrant(token=WRITE_OTHER_TOKEN, name="writer-other", scopes=["read", "write:other-pool"]),
 ]
+
+
+async def db_rows(database_url: str, sql: str) -> list[tuple[Any, ...]]:
+    """The rows of one statement, read straight from the service's database."""
+    engine = create_async_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            return [tuple(row) for row in (await conn.execute(text(sql))).all()]
+    finally:
+        await engine.dispose()
 
 
 def bearer(token: str) -> dict[str, str]:

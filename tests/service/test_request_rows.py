@@ -10,11 +10,10 @@ from datetime import datetime
 from typing import Any
 
 import httpx
-from sqlalchemy import Engine, event, text
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy import Engine, event
 
 from .factories import B, commit_batch, correct_first, make_groups, ok, plan_batch, setup_pool
-from .harness import Backend, serve
+from .harness import Backend, db_rows, serve
 
 
 async def test_a_config_change_by_another_replica_is_seen_by_the_next_plan(backend: Backend) -> None:
@@ -30,12 +29,7 @@ async def test_a_config_change_by_another_replica_is_seen_by_the_next_plan(backe
 
 
 async def _lease_expiry(backend: Backend) -> datetime:
-    engine = create_async_engine(backend.database_url)
-    try:
-        async with engine.connect() as conn:
-            value = (await conn.execute(text("SELECT expires_at FROM run_lease"))).scalar_one()
-    finally:
-        await engine.dispose()
+    ((value,),) = await db_rows(backend.database_url, "SELECT expires_at FROM run_lease")
     return value if isinstance(value, datetime) else datetime.fromisoformat(value)
 
 

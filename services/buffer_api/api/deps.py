@@ -6,6 +6,7 @@ function or a class in its thread pool, a hand-over to a thread and back on ever
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
@@ -19,6 +20,7 @@ from sqlalchemy.exc import IntegrityError
 
 from exgrpo_client.schemas import NAME_PATTERN
 from exgrpo_pool.errors import BadRequest, Conflict, Forbidden, Unauthorized
+from exgrpo_pool.offload import in_thread
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.leases import LeaseClaim, parse_lease_header
 from exgrpo_pool.service.pools import load_pool
@@ -201,10 +203,9 @@ class Idempotency:
             return write(await fn(), status_code, None)
         body = await self.request.body()
         route = f"{self.request.method} {self.request.url.path}"
-        # the route, then the body as it came (updated in two parts: no copy of a body of megabytes)
-        hashed = hashlib.sha256(route.encode() + b"\n")
-        hashed.update(body)
-        digest = hashed.hexdigest()
+        # hashed in a thread beside the write (megabytes for a commit): the hash is needed when the
+        # key's record is completed, or to compare with a record found
+        digest = in_thread(lambda: request_hash(route, body))
         for attempt in range(self.ATTEMPTS):
             # a new key (the usual case) goes straight to the write, whose first statement records
             # it (one transaction, one connection); a key already recorded fails there, and its
@@ -224,7 +225,7 @@ class Idempotency:
         fn: Callable[[], Awaitable[object]],
         status_code: int,
         route: str,
-        digest: str,
+        digest: asyncio.Future[str],
         reference: Callable[[Any], dict[str, Any]] | None,
         respond: Responder,
     ) -> Any:
@@ -237,7 +238,8 @@ class Idempotency:
                         "key": key,
                         "principal": self.principal.name,
                         "route": route,
-                        "request_hash": digest,
+                        # completed below with the answer, in this transaction: never committed so
+                        "request_hash": "",
                         "status_code": status_code,
                         "response": {},
                         "created_at": utcnow(),
@@ -251,17 +253,17 @@ class Idempotency:
             stored = (
                 {"ref": reference(result)} if reference is not None else {RAW: bytes(response.body).decode()}
             )
-            await repo.complete_idempotent(session, key, self.principal.name, stored)
+            await repo.complete_idempotent(session, key, self.principal.name, stored, await digest)
         return response
 
     async def _replay(
         self,
         cached: IdempotencyKey,
-        digest: str,
+        digest: asyncio.Future[str],
         resolve: Callable[[dict[str, Any]], Awaitable[object]] | None,
         respond: Responder,
     ) -> Any:
-        if cached.request_hash != digest:
+        if cached.request_hash != await digest:
             raise BadRequest("this Idempotency-Key was used for a different request; use a new key")
         headers = {"Idempotent-Replayed": "true"}
         stored = cached.response
@@ -274,6 +276,14 @@ class Idempotency:
     async def _lookup(self) -> IdempotencyKey | None:
         async with self.ctx.db.read() as session:
             return await repo.get_idempotent(session, self.key or "", self.principal.name)
+
+
+def request_hash(route: str, body: bytes) -> str:
+    """What a key's record keeps of its request: SHA-256 of the route, a newline and the body as
+    it came (updated in two parts: no copy of a body of megabytes)."""
+    hashed = hashlib.sha256(route.encode() + b"\n")
+    hashed.update(body)
+    return hashed.hexdigest()
 
 
 async def idempotency(request: Request, ctx: ContextDep, principal: PrincipalDep) -> Idempotency:

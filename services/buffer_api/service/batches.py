@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from pydantic_core import to_jsonable_python
@@ -30,6 +28,7 @@ from exgrpo_pool.domain import (
 )
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
 from exgrpo_pool.index.base import Move, RebuildLost
+from exgrpo_pool.offload import in_thread
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
     COMMIT_DIGEST,
@@ -68,8 +67,6 @@ from exgrpo_pool.store.models import (
 )
 
 log = logging.getLogger("exgrpo.pool")
-A = TypeVar("A")
-T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------- the index
@@ -547,7 +544,7 @@ async def commit_batch(
         # the digest hashes every payload byte (~6 ms for 128 x 8 rollouts of 1k tokens): in a
         # thread, beside the writes below, which give the event loop and the GIL back between
         # their statements
-        digest = _in_thread(commit_digest, req)
+        digest = in_thread(lambda: commit_digest(req))
         rules = rules_for(pool, run)
         scopes = scopes_of(pool, run)
         version = batch.policy_version if req.policy_version is None else req.policy_version
@@ -616,14 +613,6 @@ async def commit_batch(
     ctx.metrics.run_solved.labels(pool.name, run.name).set(solved)
     _count(ctx, pool, applied)
     return result
-
-
-def _in_thread(fn: Callable[[A], T], arg: A) -> asyncio.Future[T]:
-    """`fn(arg)` started in the loop's default executor. A request that fails before it awaits
-    the result leaves the call to finish on its own; its outcome is then retrieved and dropped."""
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, arg)
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return fut
 
 
 def _result(batch_id: str | None, run: RunRow, solved: float, switched: bool, a: Applied) -> s.CommitResult:

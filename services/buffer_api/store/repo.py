@@ -1071,12 +1071,13 @@ async def record_idempotent(session: AsyncSession, values: dict[str, Any]) -> No
     await session.execute(_idem_t.insert().values(values))
 
 
-async def complete_idempotent(session: AsyncSession, key: str, principal: str, response: Any) -> None:
-    """Store the answer of a key recorded in this transaction."""
+async def complete_idempotent(
+    session: AsyncSession, key: str, principal: str, response: Any, request_hash: str
+) -> None:
+    """Store the answer, and the request's hash, of a key recorded in this transaction."""
     c = _idem_t.c
-    await session.execute(
-        update(_idem_t).where(c.key == key, c.principal == principal).values(response=response)
-    )
+    where = (c.key == key, c.principal == principal)
+    await session.execute(update(_idem_t).where(*where).values(response=response, request_hash=request_hash))
 
 
 _idem_t = cast(Table, IdempotencyKey.__table__)
