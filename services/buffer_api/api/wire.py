@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Annotated, Any
 
+import pydantic_core
 from fastapi import Depends, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
@@ -54,11 +55,33 @@ class FrameRoute(APIRoute):
             return handle
 
         async def route_handler(request: Request) -> Response:
-            if frames.wants_frame(request.headers.get("content-type")):
+            content_type = request.headers.get("content-type")
+            if frames.wants_frame(content_type):
                 request = await _unframed(request)
+            elif content_type is None or "json" in content_type:
+                parsed = json_body(await request.body())
+                if parsed is not UNPARSED:
+                    request._json = parsed  # Starlette's cache of the body's JSON, read by FastAPI
             return await handle(request)
 
         return route_handler
+
+
+#: what `json_body` gives for a body it leaves to FastAPI's `json.loads`
+UNPARSED: Any = object()
+
+
+def json_body(raw: bytes) -> Any:
+    """A JSON body of megabytes (a commit, an ingest) as pydantic-core's parser reads it, 2-4x
+    faster than `json.loads`; `UNPARSED` for a body it refuses. Where it reads a body at all, it
+    reads it as `json.loads` does (NaN and the infinities, big integers, the last of duplicate
+    keys); what only `json.loads` takes (lone surrogates, a byte order mark, UTF-16, nesting past
+    200 levels) and every malformed body are left to it, so their answers are what they were
+    (`tests/unit/test_json_body.py`)."""
+    try:
+        return pydantic_core.from_json(raw, allow_inf_nan=True, cache_strings=False)
+    except ValueError:
+        return UNPARSED
 
 
 async def _unframed(request: Request) -> Request:
