@@ -68,6 +68,12 @@ def test_decoding_any_text_is_the_standard_librarys(text: str) -> None:
     assert _ours(text) == _stdlib(text)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(max_codepoint=0x17F), max_size=24))
+def test_decoding_any_character_is_the_standard_librarys(text: str) -> None:
+    assert _ours(text) == _stdlib(text)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=300))
 def test_encoding_is_the_standard_librarys_and_decodes_back(raw: bytes) -> None:
