@@ -59,7 +59,11 @@ class FrameRoute(APIRoute):
             if frames.wants_frame(content_type):
                 request = await _unframed(request)
             elif content_type is None or "json" in content_type:
-                parsed = json_body(await request.body())
+                try:
+                    raw = await request.body()
+                except Exception:  # a body that cannot be read: FastAPI's answer, as before
+                    raw = None
+                parsed = UNPARSED if raw is None else json_body(raw)
                 if parsed is not UNPARSED:
                     request._json = parsed  # Starlette's cache of the body's JSON, read by FastAPI
             return await handle(request)
