@@ -2,7 +2,7 @@
 select and ingest on the benchmark's seeded pool, to measure the service against.
 
 One uvicorn process (as ``_serve.py`` runs the service: uvloop, httptools), a raw ASGI app (no
-framework, no pydantic), orjson + the SIMD base64 the service uses, or the service's own binary frames
+framework, no pydantic), orjson + the service's base64 (SIMD), or the service's own binary frames
 (``exgrpo_client.frames``), the database driver without an ORM (``sqlite3`` in the event loop,
 ``asyncpg`` on one connection), one transaction per request with the idempotency record inside it.
 It does the same reads and writes as the service on a copy of the same database:
@@ -47,7 +47,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pybase64
 import uvicorn
 
 from exgrpo_client import frames
@@ -707,7 +706,7 @@ def _payloads(slots: list[dict[str, Any]], payloads: Any) -> list[tuple[bytes, b
             out.append(None)
             continue
         try:
-            ids, lps = pybase64.b64decode(a, validate=True), pybase64.b64decode(b, validate=True)
+            ids, lps = s.decode_b64(a), s.decode_b64(b)
         except (ValueError, TypeError) as e:
             raise Refused(422, "base64") from e
         if not ids or len(ids) % 4 or len(ids) != len(lps):
@@ -739,8 +738,8 @@ def _answer(
     for slot in frames.slots(body):
         p = next(it)
         if p is not None:
-            slot["token_ids_b64"] = pybase64.b64encode(p[0]).decode()
-            slot["logprobs_b64"] = pybase64.b64encode(p[1]).decode()
+            slot["token_ids_b64"] = s.encode_b64(p[0])
+            slot["logprobs_b64"] = s.encode_b64(p[1])
     return orjson.dumps(body), b"application/json"
 
 

@@ -59,13 +59,7 @@ class FrameRoute(APIRoute):
             if frames.wants_frame(content_type):
                 request = await _unframed(request)
             elif content_type is None or "json" in content_type:
-                try:
-                    raw = await request.body()
-                except Exception:  # a body that cannot be read: FastAPI's answer, as before
-                    raw = None
-                parsed = UNPARSED if raw is None else json_body(raw)
-                if parsed is not UNPARSED:
-                    request._json = parsed  # Starlette's cache of the body's JSON, read by FastAPI
+                await _json_parsed(request)
             return await handle(request)
 
         return route_handler
@@ -86,6 +80,19 @@ def json_body(raw: bytes) -> Any:
         return pydantic_core.from_json(raw, allow_inf_nan=True, cache_strings=False)
     except ValueError:
         return UNPARSED
+
+
+async def _json_parsed(request: Request) -> None:
+    """Parse a JSON body with `json_body` into Starlette's cache of the body's JSON, which FastAPI
+    reads. A body that cannot be read (a client gone, a stream over the limit) or that `json_body`
+    leaves alone goes to FastAPI as it came, for the answer it gave before."""
+    try:
+        raw = await request.body()
+    except Exception:
+        return
+    parsed = json_body(raw)
+    if parsed is not UNPARSED:
+        request._json = parsed
 
 
 async def _unframed(request: Request) -> Request:

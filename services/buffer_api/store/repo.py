@@ -182,9 +182,10 @@ async def run_rows(
 
 
 @functools.cache
-def _batch_rows_stmts(lock: bool, pg: bool) -> tuple[Select[Any], ...]:
-    """`batch_rows`'s statements, built once per form; the pool name and the batch id are bound
-    at execution. Locked on Postgres: the pool and run, row-locked, then the batch and the lease."""
+def _batch_rows_stmts(lock: bool, pg: bool) -> tuple[Select[Any], Select[Any] | None]:
+    """`batch_rows`'s statement, and its second one (None: no second), built once per form; the
+    pool name and the batch id are bound at execution. Locked on Postgres: the pool and run,
+    row-locked, then the batch and the lease."""
     source = _batch_t.join(_run_t, _run_t.c.id == _batch_t.c.run_id).join(
         _pool_t, _pool_t.c.id == _run_t.c.pool_id
     )
@@ -199,7 +200,7 @@ def _batch_rows_stmts(lock: bool, pg: bool) -> tuple[Select[Any], ...]:
     if lock:
         source = source.outerjoin(_lease_t, _lease_t.c.run_id == _run_t.c.id)
         cols += _LEASE_COLS
-    return (select(*cols).select_from(source).where(*where),)
+    return select(*cols).select_from(source).where(*where), None
 
 
 async def batch_rows(
@@ -209,22 +210,16 @@ async def batch_rows(
     the run is row-locked and the batch and the run's lease are read after the lock (a second
     statement on Postgres, see `run_rows`): a concurrent commit of the batch that finished while
     this one waited is seen."""
-    names = {"pool_name": pool_name, "batch_id": batch_id}
-    if lock and _is_pg(session):
-        locked, after = _batch_rows_stmts(True, True)
-        row = (await session.execute(locked, names)).first()
-        if row is None:
-            return None
+    first, after = _batch_rows_stmts(lock, lock and _is_pg(session))
+    row = (await session.execute(first, {"pool_name": pool_name, "batch_id": batch_id})).first()
+    if row is None:
+        return None
+    values = tuple(row)
+    if after is not None:
         more = (await session.execute(after, {"batch_id": batch_id})).first()
         if more is None:
             return None
-        values = (*row, *more)
-    else:
-        (stmt,) = _batch_rows_stmts(lock, False)
-        found = (await session.execute(stmt, names)).first()
-        if found is None:
-            return None
-        values = tuple(found)
+        values += tuple(more)
     b = _NP + _NR
     lease = _lease_row(values[b + _NB :]) if lock else None
     return PoolRow(*values[:_NP]), RunRow(*values[_NP:b]), BatchRow(*values[b : b + _NB]), lease
