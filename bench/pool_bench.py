@@ -425,7 +425,7 @@ class Trainer:
                 slot["logprobs_b64"] = base64.b64encode(p[1].tobytes()).decode()
         return json.dumps(body).encode()
 
-    def commit_body(self, plan: dict[str, Any], encoding: str = "json") -> bytes:
+    def commit_body(self, plan: dict[str, Any], encoding: str = "json", *, with_stats: bool = False) -> bytes:
         groups = [self.fresh_group(f["question_id"]) for f in plan["fresh"]]
         for r in plan["replay"]:
             cands = r["candidates"]
@@ -433,7 +433,10 @@ class Trainer:
                 min(cands, key=lambda c: c["entropy"] if c["entropy"] is not None else 0.0) if cands else None
             )
             groups.append(self.replay_group(r["question_id"], best["id"] if best else None))
-        return self.encode({"groups": groups, "metrics": {"train/loss": 0.1}}, encoding)
+        body: dict[str, Any] = {"groups": groups, "metrics": {"train/loss": 0.1}}
+        if with_stats:
+            body["with_stats"] = True
+        return self.encode(body, encoding)
 
     def ingest_body(self, qids: list[int], encoding: str = "json") -> bytes:
         groups = [self.fresh_group(q) for q in qids]

@@ -37,7 +37,7 @@ async def collect_runs_stats(
     scopes = {run.id: scope_of(pool, run) for run in runs}
     states = await repo.state_counts(session, list(scopes.values()))
     ids = [run.id for run in runs]
-    trajectories = await repo.run_trajectory_counts(session, ids, utcnow() - timedelta(minutes=5))
+    trajectories = await repo.run_trajectory_counts(session, pool.id, ids, utcnow() - timedelta(minutes=5))
     if replayed is not None:
         counts = {runs[0].id: replayed}
     else:

@@ -19,6 +19,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from exgrpo_pool import faults
+from exgrpo_pool.store import repo
 from exgrpo_pool.store.sqlite_inline import creator as sqlite_inline_creator
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -38,6 +39,9 @@ WAL_AUTOCHECKPOINT_PAGES = 16_384
 #: each plan read them from the file again, and the trajectory indexes that every commit descends
 #: were evicted by them. 0 leaves SQLite's default.
 SQLITE_CACHE_MB = 64
+
+#: Postgres: the tallies' rows are folded (`repo.fold_tallies`) after this many writes
+FOLD_TALLIES_EVERY = 64
 
 
 def _sqlite_pragmas(cache_mb: int, *, inline: bool = False) -> Callable[[DBAPIConnection, object], None]:
@@ -155,6 +159,8 @@ class Database:
         self._wal = self.is_sqlite and bool(u.database) and u.database != ":memory:"
         self._checkpoint: asyncio.Task[None] | None = None
         self._checkpoint_again = False
+        self._fold: asyncio.Task[None] | None = None
+        self._writes_unfolded = 0
 
     @staticmethod
     @contextlib.contextmanager
@@ -198,6 +204,11 @@ class Database:
         faults.committed()
         if self._wal:
             self._checkpoint_soon()
+        elif not self.is_sqlite:
+            self._writes_unfolded += 1
+            if self._writes_unfolded >= FOLD_TALLIES_EVERY and (self._fold is None or self._fold.done()):
+                self._writes_unfolded = 0
+                self._fold = asyncio.get_running_loop().create_task(self.fold_tallies())
 
     def _checkpoint_soon(self) -> None:
         """Copy the WAL's new pages into the database file off the request's path: a task that
@@ -220,10 +231,20 @@ class Database:
                 return
             again = self._checkpoint_again
 
+    async def fold_tallies(self) -> None:
+        """Postgres: fold the tallies' rows, in a transaction of its own (writers only add rows,
+        so it waits for none of them). A failure leaves the rows as they are: the counts hold."""
+        try:
+            async with self.sessions() as session, session.begin():
+                await repo.fold_tallies(session)
+        except Exception:
+            log.warning("folding the tallies failed; the next pass tries again", exc_info=True)
+
     async def settle(self) -> None:
-        """Wait for the background checkpoint, if one is running (tests, shutdown)."""
-        if self._checkpoint is not None:
-            await asyncio.shield(self._checkpoint)
+        """Wait for the background checkpoint or fold, if one is running (tests, shutdown)."""
+        for task in (self._checkpoint, self._fold):
+            if task is not None:
+                await asyncio.shield(task)
 
     @contextlib.asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncSession]:

@@ -14,6 +14,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Column,
     DateTime,
     Float,
     ForeignKey,
@@ -21,6 +22,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     String,
+    Table,
     Text,
     UniqueConstraint,
     true,
@@ -266,6 +268,38 @@ class IdempotencyKey(Base):
 # The per-request rows of plan, commit, ingest and select, read with Core statements and written
 # back with explicit UPDATEs: no ORM identity map, flush or refresh on the hot path. Their fields
 # are named and typed like the mapped classes', so the code that reads them takes either.
+
+
+# Tallies: how many rows the pool's large tables hold, per pool, run and scope, kept by triggers
+# on those tables (migration 0010), so that stats read a handful of rows instead of counting the
+# pool. A cell's count is the sum of its rows: SQLite keeps one row per cell, Postgres adds a row
+# per statement that changed the cell (no writer waits on another's count) and folds them
+# (`repo.fold_tallies`, after writes). `bucket` -1: no bucket; `run_id` 0: no source run.
+state_tally = Table(
+    "state_tally",
+    Base.metadata,
+    Column("scope", BigInteger, nullable=False),
+    Column("bucket", Integer, nullable=False),
+    Column("retired", Boolean, nullable=False),
+    Column("n", BigInteger, nullable=False),
+    Index("ix_state_tally_cell", "scope", "bucket", "retired"),
+)
+trajectory_tally = Table(
+    "trajectory_tally",
+    Base.metadata,
+    Column("pool_id", BigInteger, nullable=False),
+    Column("run_id", BigInteger, nullable=False),
+    Column("n", BigInteger, nullable=False),
+    Column("tokens", BigInteger, nullable=False),
+    Index("ix_trajectory_tally_cell", "pool_id", "run_id"),
+)
+question_tally = Table(
+    "question_tally",
+    Base.metadata,
+    Column("pool_id", BigInteger, nullable=False),
+    Column("n", BigInteger, nullable=False),
+    Index("ix_question_tally_cell", "pool_id"),
+)
 
 
 @dataclass(slots=True)

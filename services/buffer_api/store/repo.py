@@ -20,14 +20,16 @@ from sqlalchemy import (
     case,
     delete,
     func,
+    literal,
     or_,
     select,
-    true,
+    text,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.sql.elements import BindParameter
 
 from exgrpo_pool.store.models import (
     Batch,
@@ -46,6 +48,9 @@ from exgrpo_pool.store.models import (
     RunRow,
     Task,
     Trajectory,
+    question_tally,
+    state_tally,
+    trajectory_tally,
     utcnow,
 )
 
@@ -268,26 +273,64 @@ async def pool_counts(session: AsyncSession, pool_id: int) -> tuple[int, int, in
 async def pool_totals(
     session: AsyncSession, pool_id: int, *, tokens: bool = True
 ) -> tuple[int, int, int, int]:
-    """(questions, trajectories, runs, payload tokens) of a pool in one statement (three one-row
-    aggregates side by side); the trajectory count and the token sum in one pass over the
-    trajectory index. Without `tokens` the sum is not taken and 0 is returned for it."""
-    q = select(func.count().label("n")).select_from(Question).where(Question.pool_id == pool_id).subquery()
-    t_cols = [func.count().label("n")]
-    if tokens:
-        t_cols.append(func.coalesce(func.sum(Trajectory.num_tokens), 0).label("tokens"))
-    t = select(*t_cols).select_from(Trajectory).where(Trajectory.pool_id == pool_id).subquery()
-    r = select(func.count().label("n")).select_from(Run).where(Run.pool_id == pool_id).subquery()
-    cols = [q.c.n, t.c.n, r.c.n] + ([t.c.tokens] if tokens else [])
-    one_row_each = q.join(t, true()).join(r, true())
-    row = (await session.execute(select(*cols).select_from(one_row_each))).one()
-    return int(row[0] or 0), int(row[1] or 0), int(row[2] or 0), int(row[3] or 0) if tokens else 0
+    """(questions, trajectories, runs, payload tokens) of a pool in one statement, from the
+    tallies (a few rows, whatever the pool's size) and the pool's runs. Without `tokens` 0 is
+    returned for the tokens."""
+    row = (await session.execute(_pool_totals_stmt(), {"pool_id": pool_id})).one()
+    return int(row[0]), int(row[1]), int(row[2]), int(row[3]) if tokens else 0
+
+
+@functools.cache
+def _pool_totals_stmt() -> Select[Any]:
+    pool_id: BindParameter[int] = bindparam("pool_id")
+    qt, tt = question_tally.c, trajectory_tally.c
+    questions = select(func.coalesce(func.sum(qt.n), 0)).where(qt.pool_id == pool_id)
+    trajectories = select(func.coalesce(func.sum(tt.n), 0)).where(tt.pool_id == pool_id)
+    runs = select(func.count()).select_from(Run).where(Run.pool_id == pool_id)
+    tokens = select(func.coalesce(func.sum(tt.tokens), 0)).where(tt.pool_id == pool_id)
+    return select(
+        questions.scalar_subquery(),
+        trajectories.scalar_subquery(),
+        runs.scalar_subquery(),
+        tokens.scalar_subquery(),
+    )
 
 
 async def pool_tokens(session: AsyncSession, pool_id: int) -> int:
-    total = await session.scalar(
-        select(func.coalesce(func.sum(Trajectory.num_tokens), 0)).where(Trajectory.pool_id == pool_id)
-    )
+    tt = trajectory_tally.c
+    total = await session.scalar(select(func.coalesce(func.sum(tt.tokens), 0)).where(tt.pool_id == pool_id))
     return int(total or 0)
+
+
+#: each tally's cell: its key columns (the rest are counts)
+_TALLY_KEYS = {
+    state_tally: ("scope", "bucket", "retired"),
+    trajectory_tally: ("pool_id", "run_id"),
+    question_tally: ("pool_id",),
+}
+
+
+async def fold_tallies(session: AsyncSession) -> int:
+    """Fold each tally cell that has more than one row (Postgres adds one per statement that
+    changed it) into one row, and drop cells that sum to nothing; how many rows were folded.
+    Safe beside writers and other folds: each statement moves the committed rows it deletes into
+    their sums, and writers only add rows."""
+    folded = 0
+    for table, keys in _TALLY_KEYS.items():
+        values = [c.name for c in table.c if c.name not in keys]
+        key_list = ", ".join(keys)
+        sums = ", ".join(f"sum({v})" for v in values)
+        nonzero = " OR ".join(f"sum({v}) <> 0" for v in values)
+        stmt = text(
+            f"WITH gone AS (DELETE FROM {table.name} WHERE ({key_list}) IN ("
+            f"SELECT {key_list} FROM {table.name} GROUP BY {key_list} "
+            f"HAVING count(*) > 1 OR NOT ({nonzero})) RETURNING *), "
+            f"kept AS (INSERT INTO {table.name} ({key_list}, {', '.join(values)}) "
+            f"SELECT {key_list}, {sums} FROM gone GROUP BY {key_list} HAVING {nonzero} RETURNING 1) "
+            "SELECT (SELECT count(*) FROM gone)"
+        )
+        folded += int(await session.scalar(stmt) or 0)
+    return folded
 
 
 # -------------------------------------------------------------------------------- questions
@@ -306,7 +349,8 @@ async def insert_questions(session: AsyncSession, rows: list[dict[str, Any]]) ->
 
 
 async def count_questions(session: AsyncSession, pool_id: int) -> int:
-    n = await session.scalar(select(func.count()).select_from(Question).where(Question.pool_id == pool_id))
+    qt = question_tally.c
+    n = await session.scalar(select(func.coalesce(func.sum(qt.n), 0)).where(qt.pool_id == pool_id))
     return int(n or 0)
 
 
@@ -524,22 +568,26 @@ async def retired_ids(session: AsyncSession, scope: int) -> np.ndarray:
 async def state_counts(
     session: AsyncSession, scopes: Sequence[int]
 ) -> dict[int, tuple[dict[int, int], int, int]]:
-    """Per scope: (bucket histogram of eligible questions, retired, seen), in one query."""
+    """Per scope: (bucket histogram of eligible questions, retired, seen), from the state tally."""
     out: dict[int, tuple[dict[int, int], int, int]] = {}
     if not scopes:
         return out
+    st = state_tally.c
     stmt = (
-        select(RunQuestion.scope, RunQuestion.bucket, RunQuestion.retired, func.count())
-        .where(RunQuestion.scope.in_(sorted(set(scopes))))
-        .group_by(RunQuestion.scope, RunQuestion.bucket, RunQuestion.retired)
+        select(st.scope, st.bucket, st.retired, func.sum(st.n))
+        .where(st.scope.in_(sorted(set(scopes))))
+        .group_by(st.scope, st.bucket, st.retired)
     )
     counts: dict[int, list[Any]] = {sc: [{}, 0, 0] for sc in scopes}
-    for scope, bucket, is_retired, n in (await session.execute(stmt)).all():
+    for scope, bucket, is_retired, total in (await session.execute(stmt)).all():
+        n = int(total)
+        if n == 0:
+            continue
         c = counts[int(scope)]
         c[2] += n
         if is_retired:
             c[1] += n
-        elif bucket is not None:
+        elif bucket >= 0:
             c[0][int(bucket)] = c[0].get(int(bucket), 0) + n
     return {sc: (hist, retired, seen) for sc, (hist, retired, seen) in counts.items()}
 
@@ -806,20 +854,32 @@ async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, lim
 
 
 async def run_trajectory_counts(
-    session: AsyncSession, run_ids: Sequence[int], since: datetime
+    session: AsyncSession, pool_id: int, run_ids: Sequence[int], since: datetime
 ) -> dict[int, tuple[int, int]]:
-    """Per run: (trajectories the run stored, of which since `since`), in one query."""
+    """Per run of the pool: (trajectories the run stored, of which since `since`): the total from
+    the trajectory tally, the recent ones over the run's part of the (run, created) index from
+    `since` on."""
     out = {r: (0, 0) for r in run_ids}
     if not run_ids:
         return out
-    t = Trajectory.__table__.c
-    stmt = (
-        select(t.source_run_id, func.count(), func.count().filter(t.created_at >= since))
-        .where(t.source_run_id.in_(sorted(set(run_ids))))
+    ids = sorted(set(run_ids))
+    tt, t = trajectory_tally.c, Trajectory.__table__.c
+    totals = (
+        select(literal(False).label("recent"), tt.run_id, func.sum(tt.n))
+        .where(tt.pool_id == pool_id, tt.run_id.in_(ids))
+        .group_by(tt.run_id)
+    )
+    recent = (
+        select(literal(True).label("recent"), t.source_run_id, func.count())
+        .where(t.source_run_id.in_(ids), t.created_at >= since)
         .group_by(t.source_run_id)
     )
-    for run_id, total, recent in (await session.execute(stmt)).all():
-        out[int(run_id)] = (int(total or 0), int(recent or 0))
+    stored: dict[int, int] = {}
+    lately: dict[int, int] = {}
+    for is_recent, run_id, n in (await session.execute(totals.union_all(recent))).all():
+        (lately if is_recent else stored)[int(run_id)] = int(n)
+    for run_id in ids:
+        out[run_id] = (stored.get(run_id, 0), lately.get(run_id, 0))
     return out
 
 
