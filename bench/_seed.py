@@ -37,8 +37,9 @@ from exgrpo_pool.config import Settings
 from exgrpo_pool.domain import epoch_order, trajectory_key
 from exgrpo_pool.service.convert import content_hash
 from exgrpo_pool.store import db as dbmod
+from exgrpo_pool.store import repo
 
-SEED_FORMAT = 1
+SEED_FORMAT = 2
 RUN_ID = 1
 POOL_ID = 1
 POOL_NAME = "bench"
@@ -464,6 +465,7 @@ async def seed_postgres(shape: Shape, dsn: str, database: str, log: Any = print)
                     f"  postgres {shape.questions}: {done}/{lay.traj_qids.size} trajectories "
                     f"({time.perf_counter() - t0:.0f}s)"
                 )
+        await conn.execute(repo.TALLY_TRAJECTORIES_PG)  # a COPY is not counted by a trigger
         for table in ("pool", "question", "run", "trajectory"):
             await conn.execute(
                 f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT max(id) FROM {table}))"

@@ -302,6 +302,14 @@ async def pool_tokens(session: AsyncSession, pool_id: int) -> int:
     return int(total or 0)
 
 
+#: Postgres: the trajectory tally's rows of every stored trajectory, for a database whose
+#: trajectories were loaded without `insert_trajectories` (which counts its own: there is no INSERT
+#: trigger on `trajectory` on Postgres, migration 0010) into an empty trajectory tally
+TALLY_TRAJECTORIES_PG = (
+    "INSERT INTO trajectory_tally (pool_id, run_id, n, tokens) "
+    "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM trajectory GROUP BY 1, 2"
+)
+
 #: each tally's cell: its key columns (the rest are counts)
 _TALLY_KEYS = {
     state_tally: ("scope", "bucket", "retired"),
@@ -518,9 +526,41 @@ async def upsert_decided_states(session: AsyncSession, rows: list[dict[str, Any]
     the retired set. (`upsert_states` with one kind per statement does the same.)"""
     if not rows:
         return
+    conn = await session.connection()
+    if conn.dialect.name == "postgresql" and len({(r["scope"], r["question_id"]) for r in rows}) == len(rows):
+        # one statement over arrays: one round trip, and the tallies' statement triggers fire once
+        # (a statement per row fired them per row: ~0.2 ms each at 128 rows a commit); in one
+        # order for every writer, so two writers of the same states wait instead of deadlocking
+        rows = sorted(rows, key=itemgetter("scope", "question_id"))
+        columns = tuple([r[c] for r in rows] for c in _STATE_ARRAY_TYPES)
+        await conn.exec_driver_sql(_STATES_UPSERT_PG, columns)
+        return
     stmt = _decided_states_upsert(_dialect(session))
     for chunk in _chunks(rows, 1000):
         await session.execute(stmt, list(chunk))
+
+
+#: the columns of a decided state row, with their Postgres array types
+_STATE_ARRAY_TYPES = {
+    "scope": "bigint",
+    "question_id": "bigint",
+    "pool_id": "bigint",
+    "last_k": "int",
+    "bucket": "int",
+    "retired": "boolean",
+    "last_step": "int",
+    "last_run_id": "bigint",
+    "updated_at": "timestamptz",
+}
+_STATES_UPSERT_PG = (
+    f"INSERT INTO run_question ({', '.join(_STATE_ARRAY_TYPES)}) SELECT * FROM unnest("
+    + ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(_STATE_ARRAY_TYPES.values()))
+    + ") ON CONFLICT (scope, question_id) DO UPDATE SET last_k = excluded.last_k, "
+    "last_step = excluded.last_step, last_run_id = excluded.last_run_id, updated_at = excluded.updated_at, "
+    "bucket = CASE WHEN excluded.retired THEN NULL WHEN excluded.bucket IS NULL THEN run_question.bucket "
+    "WHEN run_question.retired THEN NULL ELSE excluded.bucket END, "
+    "retired = run_question.retired OR excluded.retired"
+)
 
 
 @functools.cache
@@ -652,10 +692,17 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
     names = ", ".join(_TRAJECTORY_COLUMNS)
     conflict = "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING"
     if conn.dialect.name == "postgresql":
+        # the tally rows of what was inserted, in the same statement (migration 0010)
         arrays = ", ".join(f"${i + 1}::{_PG_ARRAY_TYPES[c]}[]" for i, c in enumerate(_TRAJECTORY_COLUMNS))
-        sql = f"INSERT INTO trajectory ({names}) SELECT * FROM unnest({arrays}) {conflict} RETURNING id"
+        sql = (
+            f"WITH stored AS (INSERT INTO trajectory ({names}) SELECT * FROM unnest({arrays}) {conflict} "
+            "RETURNING pool_id, source_run_id, num_tokens), "
+            "counted AS (INSERT INTO trajectory_tally (pool_id, run_id, n, tokens) "
+            "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM stored "
+            "GROUP BY 1, 2) SELECT count(*) FROM stored"
+        )
         columns = tuple([r[c] for r in rows] for c in _TRAJECTORY_COLUMNS)
-        return len((await conn.exec_driver_sql(sql, columns)).all())
+        return int((await conn.exec_driver_sql(sql, columns)).scalar_one())
     marks = ", ".join("?" * len(_TRAJECTORY_COLUMNS))
     get = itemgetter(*_TRAJECTORY_COLUMNS[:-1])
     sql = f"INSERT INTO trajectory ({names}) VALUES ({marks}) {conflict}"
