@@ -166,7 +166,7 @@ class Trajectory(Base):
     __table_args__ = (
         UniqueConstraint("question_id", "scope", "dedup_key", name="uq_trajectory_scope_dedup"),
         Index("ix_trajectory_run_created", "source_run_id", "created_at"),
-        Index("ix_trajectory_pool_tokens", "pool_id", "num_tokens"),
+        Index("ix_trajectory_pool_id", "pool_id", "id"),
     )
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     question_id: Mapped[int] = mapped_column(ForeignKey("question.id", ondelete="CASCADE"))

@@ -15,6 +15,10 @@ payload copied in (~10 ms for a commit's 340 trajectories), so `repo.insert_traj
 the tally rows of what it inserted in the same statement (`repo.TALLY_TRAJECTORIES_PG` counts
 rows inserted otherwise, as a bulk load does).
 
+The pool's trajectory index, (pool, tokens) since 0009 for the token sum, becomes (pool, id): the
+sum is the tally's now, and what reads a pool's trajectories in order (eviction of the oldest, the
+export) walks it; a new trajectory goes at its pool's end instead of among those of its length.
+
 Revision ID: 0010
 Revises: 0009
 Create Date: 2026-12-04 19:00:00.000000
@@ -170,6 +174,8 @@ def _postgres_triggers() -> None:
 def upgrade() -> None:
     _create_tables()
     _backfill()
+    op.create_index("ix_trajectory_pool_id", "trajectory", ["pool_id", "id"])
+    op.drop_index("ix_trajectory_pool_tokens", table_name="trajectory")
     if op.get_bind().dialect.name == "postgresql":
         _postgres_triggers()
     else:
@@ -177,6 +183,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.create_index("ix_trajectory_pool_tokens", "trajectory", ["pool_id", "num_tokens"])
+    op.drop_index("ix_trajectory_pool_id", table_name="trajectory")
     postgres = op.get_bind().dialect.name == "postgresql"
     for tally, (counted, *_) in TALLIES.items():
         for event in ("insert", "delete", "update"):
