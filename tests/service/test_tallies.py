@@ -15,6 +15,7 @@ import pytest
 from exgrpo_pool.store import db as dbmod
 from exgrpo_pool.store import repo
 
+from .conftest import _truncate
 from .factories import (
     all_questions,
     commit_batch,
@@ -27,23 +28,23 @@ from .factories import (
     run_stats,
     setup_pool,
 )
-from .harness import Backend, db_rows
+from .harness import Backend, db_rows, serve
 
-#: per tally: (how many key columns its cells have, its cells summed, the same cells counted
-#: from the rows)
+#: per tally: (the key columns of its cells, its cells summed, the same cells counted from the
+#: rows)
 TALLIES = {
     "state_tally": (
-        3,
+        ("scope", "bucket", "retired"),
         "SELECT scope, bucket, retired, sum(n) FROM state_tally GROUP BY 1, 2, 3",
         "SELECT scope, coalesce(bucket, -1), retired, count(*) FROM run_question GROUP BY 1, 2, 3",
     ),
     "trajectory_tally": (
-        2,
+        ("pool_id", "run_id"),
         "SELECT pool_id, run_id, sum(n), sum(tokens) FROM trajectory_tally GROUP BY 1, 2",
         "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM trajectory GROUP BY 1, 2",
     ),
     "question_tally": (
-        1,
+        ("pool_id",),
         "SELECT pool_id, sum(n) FROM question_tally GROUP BY 1",
         "SELECT pool_id, count(*) FROM question GROUP BY 1",
     ),
@@ -58,7 +59,7 @@ async def _cells(url: str, sql: str, keys: int) -> set[tuple[Any, ...]]:
 
 async def _assert_tallies_hold(url: str) -> None:
     for name, (keys, summed, counted) in TALLIES.items():
-        tally, rows = await _cells(url, summed, keys), await _cells(url, counted, keys)
+        tally, rows = await _cells(url, summed, len(keys)), await _cells(url, counted, len(keys))
         assert tally == rows, f"{name}: tally {sorted(tally - rows)} against rows {sorted(rows - tally)}"
 
 
@@ -141,8 +142,9 @@ async def test_folding_keeps_every_count_and_leaves_a_row_per_cell(
     assert await _fold(url) > 0
     await _assert_tallies_hold(url)
     for name, (keys, _, _) in TALLIES.items():
-        cells = ", ".join(("scope", "bucket", "retired") if keys == 3 else ("pool_id", "run_id")[:keys])
-        most = await db_rows(url, f"SELECT max(c) FROM (SELECT count(*) AS c FROM {name} GROUP BY {cells}) x")
+        most = await db_rows(
+            url, f"SELECT max(c) FROM (SELECT count(*) AS c FROM {name} GROUP BY {', '.join(keys)}) x"
+        )
         assert most[0][0] == 1, name
         zero = await db_rows(url, f"SELECT count(*) FROM {name} WHERE n = 0")
         assert zero[0][0] == 0, name
@@ -192,3 +194,34 @@ async def test_writers_of_one_scope_do_not_wait_for_each_others_counts(
     await _assert_tallies_hold(url)
     cell = await db_rows(url, f"SELECT sum(n) FROM state_tally WHERE scope = {-pool_id} AND bucket = 1")
     assert int(cell[0][0]) == 4
+
+
+async def _rows_over_cells(url: str) -> int:
+    """How many more tally rows there are than cells (0 once every cell is folded)."""
+    extra = 0
+    for name, (keys, _, _) in TALLIES.items():
+        cells = f"SELECT count(*) FROM (SELECT 1 FROM {name} GROUP BY {', '.join(keys)}) c"
+        rows = await db_rows(url, f"SELECT count(*), ({cells}) FROM {name}")
+        extra += int(rows[0][0]) - int(rows[0][1])
+    return extra
+
+
+@POSTGRES
+async def test_the_service_folds_the_tallies_after_its_writes(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a fold after every write the tallies stay near a row per cell; without one they grow
+    by a row per statement and cell. The counts hold either way."""
+    url = backend.database_url
+    monkeypatch.setattr(dbmod, "FOLD_TALLIES_EVERY", 10**9)
+    async with serve(backend.settings()) as client:
+        await _write_everything(client)
+    unfolded = await _rows_over_cells(url)
+    await _assert_tallies_hold(url)
+    await _truncate(url)
+    monkeypatch.setattr(dbmod, "FOLD_TALLIES_EVERY", 1)
+    async with serve(backend.settings()) as client:
+        await _write_everything(client)
+    folded = await _rows_over_cells(url)
+    await _assert_tallies_hold(url)
+    assert unfolded > 100 and folded < unfolded / 10, (unfolded, folded)
