@@ -654,13 +654,14 @@ class Floor:
             )
             return len(got)
         conn = self.db.conn  # type: ignore[attr-defined]
-        before = conn.total_changes
-        conn.executemany(
+        # the rows the statement inserted (a conflict inserts none); the connection's total
+        # would count the tallies' trigger writes too
+        cur = conn.executemany(
             f"INSERT INTO trajectory ({cols}) VALUES ({_in(13)}) "
             "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING",
             rows,
         )
-        return int(conn.total_changes - before)
+        return int(cur.rowcount)
 
 
 def _result(batch_id: str | None, run: str, step: int, phase: str, a: dict[str, Any]) -> dict[str, Any]:

@@ -695,6 +695,13 @@ async def against_floor(server: Server, floor: Server, opts: Options, combo: Com
         **{f"{side}_{k}_mean": round(float(np.mean(v)), 1) for side in sides for k, v in work[side].items()},
     }
     log(f"    work: {res['floor_work']}")
+    differ = [
+        k
+        for k, v in work["service"].items()
+        if k in work["floor"] and not np.isclose(np.mean(v), np.mean(work["floor"][k]))
+    ]
+    if differ:
+        log(f"    WARNING: the service and the floor did different work ({', '.join(differ)}): unlike ratios")
 
 
 async def _floor_throughput(

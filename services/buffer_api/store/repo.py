@@ -496,34 +496,11 @@ async def get_states(
     return out
 
 
-async def upsert_states(session: AsyncSession, kind: str, rows: list[dict[str, Any]]) -> None:
-    """kind: 'collect' sets the bucket (unless retired), 'retire' retires and clears the bucket,
-    'ignore' only records the latest k and step. A retired question never leaves the retired set."""
-    if not rows:
-        return
-    ins = _insert(session, RunQuestion)
-    ex = ins.excluded
-    common: dict[str, Any] = {
-        "last_k": ex.last_k,
-        "last_step": ex.last_step,
-        "last_run_id": ex.last_run_id,
-        "updated_at": ex.updated_at,
-    }
-    if kind == "collect":
-        common["bucket"] = case((RunQuestion.retired, None), else_=ex.bucket)
-    elif kind == "retire":
-        common["bucket"] = None
-        common["retired"] = True
-    stmt = ins.on_conflict_do_update(index_elements=["scope", "question_id"], set_=common)
-    for chunk in _chunks(rows, 1000):
-        await session.execute(stmt, list(chunk))
-
-
 async def upsert_decided_states(session: AsyncSession, rows: list[dict[str, Any]]) -> None:
     """The states a commit or an ingest decided, in one statement whatever their kinds: a row with
     `retired` retires the question and clears its bucket; a row with a bucket collects it (unless it
     is retired); any other row only records the latest k and step. A retired question never leaves
-    the retired set. (`upsert_states` with one kind per statement does the same.)"""
+    the retired set."""
     if not rows:
         return
     conn = await session.connection()
