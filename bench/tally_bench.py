@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import secrets
 import sqlite3
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -207,32 +208,44 @@ def main() -> None:
     step = 0
     if args.backend in ("sqlite", "both"):
         with tempfile.TemporaryDirectory() as tmp:
-            sides = {t: _sqlite(Path(tmp) / f"{t}.db", t, args) for t in (True, False)}
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for r in range(args.rounds):
-                for t in (True, False) if r % 2 == 0 else (False, True):
-                    batch = []
-                    for _ in range(args.per_round):
-                        step += 1
-                        batch.append(sides[t](step))
-                    times[t].append(statistics.median(batch))
+            sqlite_sides = {t: _sqlite(Path(tmp) / f"{t}.db", t, args) for t in (True, False)}
+
+            async def run_sqlite() -> tuple[dict[bool, list[float]], int]:
+                async def side(write: Callable[[int], float], n: int) -> float:
+                    return write(n)
+
+                writes = {t: functools.partial(side, w) for t, w in sqlite_sides.items()}
+                return await _rounds(args, writes, step)
+
+            times, step = asyncio.run(run_sqlite())
             _table("sqlite", times)
     if args.backend in ("postgres", "both"):
         _table("postgres", asyncio.run(_postgres_rounds(args, step)))
 
 
-async def _postgres_rounds(args: argparse.Namespace, step: int) -> dict[bool, list[float]]:
-    pg = {t: await _postgres(args.pg_dsn, t, args) for t in (True, False)}
+async def _rounds(
+    args: argparse.Namespace, sides: dict[bool, Callable[[int], Awaitable[float]]], step: int
+) -> tuple[dict[bool, list[float]], int]:
+    """Each side's median transaction time per round, the sides taking turns at going first;
+    with the step count reached."""
     times: dict[bool, list[float]] = {True: [], False: []}
     for r in range(args.rounds):
         for t in (True, False) if r % 2 == 0 else (False, True):
             batch = []
             for _ in range(args.per_round):
                 step += 1
-                batch.append(await pg[t][1](step))
+                batch.append(await sides[t](step))
             times[t].append(statistics.median(batch))
-    for conn, _ in pg.values():
-        await conn.close()
+    return times, step
+
+
+async def _postgres_rounds(args: argparse.Namespace, step: int) -> dict[bool, list[float]]:
+    pg = {t: await _postgres(args.pg_dsn, t, args) for t in (True, False)}
+    try:
+        times, _ = await _rounds(args, {t: one for t, (_, one) in pg.items()}, step)
+    finally:
+        for conn, _ in pg.values():
+            await conn.close()
     return times
 
 
