@@ -130,6 +130,15 @@ def kv_table(title: str, rows: Mapping[str, Any]) -> Group:
     return titled(title, table)
 
 
+def rows_table(title: str, columns: list[str], rows: list[list[Any]]) -> Group:
+    table = Table()
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*(_text(v) for v in row))
+    return titled(title, table)
+
+
 def _text(value: Any) -> str:
     if isinstance(value, datetime):
         return _when(value)

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import sqlalchemy as sa
 import uvicorn
 from prometheus_client import values as prometheus_values
+from sqlalchemy.engine import make_url
 
 from exgrpo_client import AsyncClient, NotFound
 from exgrpo_client import schemas as s
@@ -34,6 +36,7 @@ from exgrpo_pool.app import create_app
 from exgrpo_pool.config import Settings
 from exgrpo_pool.config import mask_url as mask_url  # main.py masks the URL of `db upgrade` with it
 from exgrpo_pool.store import db as dbmod
+from exgrpo_pool.store import repo
 
 log = logging.getLogger("exgrpo.cli")
 
@@ -60,6 +63,30 @@ def database_url(flag: str | None) -> str:
 
 def upgrade(url: str) -> None:
     dbmod.upgrade(url)
+
+
+def check_tallies(url: str, *, repair: bool) -> list[dict[str, Any]]:
+    """`exgrpo db tallies`: the tally cells that differ from counting their rows (set to the
+    counts with `repair`), as plain dicts."""
+    u = make_url(url)
+    sqlite_file = u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:")
+    if sqlite_file and not Path(str(u.database)).is_file():
+        raise ValueError(f"no database file {u.database}")
+
+    async def check() -> list[repo.TallyDrift]:
+        db = dbmod.Database(url)
+        try:
+            async with db.engine.connect() as conn:
+                tables = await conn.run_sync(lambda c: set(sa.inspect(c).get_table_names()))
+            if "state_tally" not in tables:
+                raise ValueError(
+                    f"database {mask_url(url)} keeps no tallies yet: run `exgrpo db upgrade` first"
+                )
+            return await db.check_tallies(repair=repair)
+        finally:
+            await db.close()
+
+    return [d._asdict() for d in asyncio.run(check())]
 
 
 # ------------------------------------------------------------------------------------- serving

@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 import typer
 import yaml
 from pydantic import ValidationError
+from rich.console import RenderableType
 
 from exgrpo_cli import _render as render
 from exgrpo_cli import model_cmds, rollout_cmds
@@ -183,6 +184,48 @@ def db_upgrade(
         result,
         lambda: f"database {result['database_url']} is at the latest revision",
     )
+
+
+@db_app.command("tallies")
+@friendly_errors
+def db_tallies(
+    ctx: typer.Context,
+    repair: Annotated[
+        bool, typer.Option(help="Set the cells that differ to the counts of their rows.")
+    ] = False,
+    database_url: Annotated[
+        str | None, typer.Option(envvar="EXGRPO_DATABASE_URL", help="SQLAlchemy async URL.")
+    ] = None,
+    as_json: render.JsonOption = False,
+) -> None:
+    """Check the tallies that stats read (questions, states, trajectories per pool and run)
+    against counts of their rows; exit status 1 when a cell differs and --repair was not given.
+    Counts every row (seconds at 1M questions); safe while the service runs."""
+    from exgrpo_cli import _serve
+
+    url = _serve.database_url(database_url)
+    drift = _serve.check_tallies(url, repair=repair)
+    result = {"database_url": _serve.mask_url(url), "cells_off": drift, "repaired": repair and bool(drift)}
+
+    def table() -> RenderableType:
+        if not drift:
+            return f"database {result['database_url']}: every tally agrees with its rows"
+        title = f"{len(drift)} tally cells differed from their rows" + (
+            ", now set to the counts" if repair else " (--repair sets them to the counts)"
+        )
+        return render.rows_table(
+            title,
+            ["tally", "cell", "kept", "counted"],
+            [[d["tally"], _pairs(d["cell"]), _pairs(d["kept"]), _pairs(d["counted"])] for d in drift],
+        )
+
+    render.show(_state(ctx, as_json).json, result, table)
+    if drift and not repair:
+        raise typer.Exit(1)
+
+
+def _pairs(values: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in values.items())
 
 
 # ------------------------------------------------------------------------------------ training

@@ -67,10 +67,12 @@ def _tokens(qid: int, row: int) -> list[int]:
     return [qid, row] + [7] * (qid % 5 + row)
 
 
-async def _write_everything(client: httpx.AsyncClient) -> None:
-    """Every kind of write that changes question states, trajectories or questions."""
+async def _write_everything(client: httpx.AsyncClient, suffix: str = "") -> None:
+    """Every kind of write that changes question states, trajectories or questions (pools p1, p2,
+    p3 and copy, each name followed by `suffix`)."""
     reward = correct_first(lambda qid: qid % 5)  # 0..4 of 4 correct: every bucket, and retired
-    for pool, sharing in (("p1", "per_run"), ("p2", "pooled"), ("p3", "shared_trajectories")):
+    p1, p2, p3 = (f"p{i}{suffix}" for i in (1, 2, 3))
+    for pool, sharing in ((p1, "per_run"), (p2, "pooled"), (p3, "shared_trajectories")):
         await setup_pool(
             client,
             pool,
@@ -79,7 +81,7 @@ async def _write_everything(client: httpx.AsyncClient) -> None:
             sharing=sharing,
             questions=24,
             max_trajectories_per_question=2,
-            **({"max_payload_bytes": 6000} if pool == "p2" else {}),
+            **({"max_payload_bytes": 6000} if pool == p2 else {}),
         )
         for step in range(4):
             for run in ("r1", "r2"):
@@ -90,11 +92,12 @@ async def _write_everything(client: httpx.AsyncClient) -> None:
         qids = [q["id"] for q in await all_questions(client, pool)]
         groups = [group(q, [1, 0, 1, 0], _tokens) for q in qids[:6]]
         ok(await client.post(f"/v1/pools/{pool}/runs/r2/ingest", json={"groups": groups}))
-    assert (await client.delete("/v1/pools/p1/runs/r2", params={"force": True})).status_code == 204
-    exported = await client.get("/v1/pools/p2/export")
+    assert (await client.delete(f"/v1/pools/{p1}/runs/r2", params={"force": True})).status_code == 204
+    exported = await client.get(f"/v1/pools/{p2}/export")
     assert exported.status_code == 200
-    ok(await client.post("/v1/pools/import", params={"name": "copy"}, content=exported.content), 201)
-    assert (await client.delete("/v1/pools/p3", params={"force": True})).status_code == 204
+    copy = {"name": f"copy{suffix}"}
+    ok(await client.post("/v1/pools/import", params=copy, content=exported.content), 201)
+    assert (await client.delete(f"/v1/pools/{p3}", params={"force": True})).status_code == 204
 
 
 async def test_the_tallies_hold_what_the_rows_count(backend: Backend, client: httpx.AsyncClient) -> None:

@@ -15,7 +15,7 @@ from alembic.config import Config as AlembicConfig
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
-from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from exgrpo_pool import faults
@@ -42,6 +42,9 @@ SQLITE_CACHE_MB = 64
 
 #: Postgres: the tallies' rows are folded (`repo.fold_tallies`) after this many writes
 FOLD_TALLIES_EVERY = 64
+
+#: Postgres errors after which a transaction may simply run again: serialization failure, deadlock
+_RETRY_SQLSTATES = frozenset({"40001", "40P01"})
 
 
 def _sqlite_pragmas(cache_mb: int, *, inline: bool = False) -> Callable[[DBAPIConnection, object], None]:
@@ -239,6 +242,26 @@ class Database:
                 await repo.fold_tallies(session)
         except Exception:
             log.warning("folding the tallies failed; the next pass tries again", exc_info=True)
+
+    async def check_tallies(self, *, repair: bool = False, attempts: int = 5) -> list[repo.TallyDrift]:
+        """The tally cells that differ from counting their rows; with `repair` set to the counts.
+        Counts every question, state and trajectory (seconds at 1M questions). On Postgres it
+        runs beside the service's writers and waits for none (REPEATABLE READ, see
+        `repo.recount_tallies`); a serialization failure against a concurrent fold is retried."""
+        check = repo.recount_tallies if repair else repo.tally_drift
+        if self.is_sqlite:
+            async with self.write() as session:
+                return await check(session)
+        engine = self.engine.execution_options(isolation_level="REPEATABLE READ")
+        for attempt in range(1, attempts + 1):
+            try:
+                async with AsyncSession(engine, expire_on_commit=False) as session, session.begin():
+                    return await check(session)
+            except DBAPIError as exc:
+                if attempt == attempts or getattr(exc.orig, "sqlstate", None) not in _RETRY_SQLSTATES:
+                    raise
+                log.info("the tally recount met a concurrent fold; counting again (%d)", attempt)
+        raise AssertionError("unreachable")
 
     async def settle(self) -> None:
         """Wait for the background checkpoint or fold, if one is running (tests, shutdown)."""

@@ -302,20 +302,39 @@ async def pool_tokens(session: AsyncSession, pool_id: int) -> int:
     return int(total or 0)
 
 
+#: each tally: the table it counts, its cell's key columns and its counts, each as the counted
+#: rows' expression (what migration 0010's triggers add per row, grouped)
+_TALLIES: dict[Table, tuple[str, dict[str, str], dict[str, str]]] = {
+    state_tally: (
+        "run_question",
+        {"scope": "scope", "bucket": "coalesce(bucket, -1)", "retired": "retired"},
+        {"n": "count(*)"},
+    ),
+    trajectory_tally: (
+        "trajectory",
+        {"pool_id": "pool_id", "run_id": "coalesce(source_run_id, 0)"},
+        {"n": "count(*)", "tokens": "sum(num_tokens)"},
+    ),
+    question_tally: ("question", {"pool_id": "pool_id"}, {"n": "count(*)"}),
+}
+
+
+def _counted(table: Table) -> str:
+    """The rows a tally counts, a row per cell, in the tally's columns."""
+    counted, keys, values = _TALLIES[table]
+    groups = ", ".join(str(i + 1) for i in range(len(keys)))
+    return f"SELECT {', '.join([*keys.values(), *values.values()])} FROM {counted} GROUP BY {groups}"
+
+
+def _recount(table: Table) -> str:
+    _, keys, values = _TALLIES[table]
+    return f"INSERT INTO {table.name} ({', '.join([*keys, *values])}) {_counted(table)}"
+
+
 #: Postgres: the trajectory tally's rows of every stored trajectory, for a database whose
 #: trajectories were loaded without `insert_trajectories` (which counts its own: there is no INSERT
 #: trigger on `trajectory` on Postgres, migration 0010) into an empty trajectory tally
-TALLY_TRAJECTORIES_PG = (
-    "INSERT INTO trajectory_tally (pool_id, run_id, n, tokens) "
-    "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM trajectory GROUP BY 1, 2"
-)
-
-#: each tally's cell: its key columns (the rest are counts)
-_TALLY_KEYS = {
-    state_tally: ("scope", "bucket", "retired"),
-    trajectory_tally: ("pool_id", "run_id"),
-    question_tally: ("pool_id",),
-}
+TALLY_TRAJECTORIES_PG = _recount(trajectory_tally)
 
 
 async def fold_tallies(session: AsyncSession) -> int:
@@ -324,8 +343,8 @@ async def fold_tallies(session: AsyncSession) -> int:
     Safe beside writers and other folds: each statement moves the committed rows it deletes into
     their sums, and writers only add rows."""
     folded = 0
-    for table, keys in _TALLY_KEYS.items():
-        values = [c.name for c in table.c if c.name not in keys]
+    for table, (_, key_exprs, value_exprs) in _TALLIES.items():
+        keys, values = list(key_exprs), list(value_exprs)
         key_list = ", ".join(keys)
         sums = ", ".join(f"sum({v})" for v in values)
         nonzero = " OR ".join(f"sum({v}) <> 0" for v in values)
@@ -339,6 +358,62 @@ async def fold_tallies(session: AsyncSession) -> int:
         )
         folded += int(await session.scalar(stmt) or 0)
     return folded
+
+
+class TallyDrift(NamedTuple):
+    """A tally cell whose counts differ from the rows it counts."""
+
+    tally: str
+    cell: dict[str, int]
+    kept: dict[str, int]
+    counted: dict[str, int]
+
+
+async def _cells(session: AsyncSession, sql: str, keys: int) -> dict[tuple[int, ...], tuple[int, ...]]:
+    rows = await session.execute(text(sql))
+    return {tuple(int(v) for v in row[:keys]): tuple(int(v) for v in row[keys:]) for row in rows}
+
+
+async def tally_drift(session: AsyncSession) -> list[TallyDrift]:
+    """Every tally cell whose counts are not what counting the rows gives (a full count of the
+    questions, states and trajectories: a repair's check, not a request's)."""
+    drift: list[TallyDrift] = []
+    for table, (_, key_exprs, value_exprs) in _TALLIES.items():
+        keys, values = list(key_exprs), list(value_exprs)
+        summed = (
+            f"SELECT {', '.join(keys)}, {', '.join(f'sum({v})' for v in values)} "
+            f"FROM {table.name} GROUP BY {', '.join(keys)}"
+        )
+        kept, counted = [await _cells(session, sql, len(keys)) for sql in (summed, _counted(table))]
+        zero = (0,) * len(values)
+        for cell in sorted(kept.keys() | counted.keys()):
+            has, should = kept.get(cell, zero), counted.get(cell, zero)
+            if has != should:
+                drift.append(
+                    TallyDrift(
+                        table.name,
+                        dict(zip(keys, cell, strict=True)),
+                        dict(zip(values, has, strict=True)),
+                        dict(zip(values, should, strict=True)),
+                    )
+                )
+    return drift
+
+
+async def recount_tallies(session: AsyncSession) -> list[TallyDrift]:
+    """Set every tally that drifted to the counts of its rows; the cells that differed.
+
+    On Postgres the session's transaction must be REPEATABLE READ: the tally rows it deletes and
+    the rows it counts are then of one snapshot, and a writer that commits meanwhile keeps the rows
+    its statements added to the tallies (invisible to the snapshot, so not deleted), so its changes
+    count once. Nothing waits for a lock; a fold that moves the same rows makes the one that
+    commits second fail with a serialization error (run again)."""
+    drift = await tally_drift(session)
+    for table in _TALLIES:
+        if any(d.tally == table.name for d in drift):
+            await session.execute(table.delete())
+            await session.execute(text(_recount(table)))
+    return drift
 
 
 # -------------------------------------------------------------------------------- questions
