@@ -10,6 +10,10 @@ transaction over ``--rounds`` rounds of ``--per-round`` transactions is printed,
 triggers and without, and their ratio (wall time: on Postgres the server's work is not in this
 process's CPU).
 
+``--evicted N``: each transaction also deletes the pool's N oldest trajectories in one statement,
+as a commit does at a capacity limit (and retirement and trimming do by question): on Postgres
+the DELETE's statement trigger gets them in a transition table.
+
     .venv/bin/python bench/tally_bench.py [--backend sqlite|postgres|both] [--questions 10000]
 """
 
@@ -69,6 +73,10 @@ _TRAJ_PG_COUNTED = (
     "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM stored GROUP BY 1, 2) "
     "SELECT count(*) FROM stored"
 )
+#: the pool's oldest trajectories removed, as an eviction does
+_EVICT = (
+    "DELETE FROM trajectory WHERE id IN (SELECT id FROM trajectory WHERE pool_id = 1 ORDER BY id LIMIT {n})"
+)
 _TRAJ = (
     "INSERT INTO trajectory (question_id, pool_id, scope, source_run_id, step, token_ids, logprobs, "
     "num_tokens, reward, entropy, dedup_key, policy_version, created_at) VALUES "
@@ -117,6 +125,8 @@ def _sqlite(path: Path, triggers: bool, args: argparse.Namespace) -> Callable[[i
             _TRAJ + "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, '2026-01-01')",
             [(row[0], 1, 1, 1, *row[1:]) for row in trajs],
         )
+        if args.evicted:
+            conn.execute(_EVICT.format(n=args.evicted))
         conn.execute("COMMIT")
         return time.perf_counter() - t0
 
@@ -176,6 +186,8 @@ async def _postgres(dsn: str, triggers: bool, args: argparse.Namespace) -> tuple
             )
             columns = [list(c) for c in zip(*[(row[0], 1, 1, 1, *row[1:]) for row in trajs], strict=True)]
             await conn.execute(_TRAJ_PG_COUNTED if triggers else _TRAJ_PG, *columns)
+            if args.evicted:
+                await conn.execute(_EVICT.format(n=args.evicted))
         return time.perf_counter() - t0
 
     return conn, one
@@ -193,6 +205,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=128)
     ap.add_argument("--stored", type=int, default=340)
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--evicted", type=int, default=0, help="oldest trajectories deleted per transaction")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--per-round", type=int, default=10)
     ap.add_argument(
@@ -201,7 +214,8 @@ def main() -> None:
     args = ap.parse_args()
     print(
         f"\n{args.questions:,} questions; a transaction moves {args.groups} states and stores {args.stored} "
-        f"trajectories of {args.tokens} tokens; median of {args.rounds} rounds of {args.per_round}\n"
+        f"trajectories of {args.tokens} tokens, evicts {args.evicted}; "
+        f"median of {args.rounds} rounds of {args.per_round}\n"
     )
     print("| backend | with tallies, ms | without, ms | ratio |")
     print("|---|---:|---:|---:|")
