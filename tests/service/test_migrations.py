@@ -5,22 +5,24 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, inspect, text
 
 from exgrpo_client import schemas as s
 from exgrpo_pool.store import db as dbmod
 from exgrpo_pool.store.models import Base
 
 from .conftest import PG_HOST, PG_PORT, PG_USER, _in_thread, _pg_admin
+
+T = TypeVar("T")
 
 
 @pytest.fixture(
@@ -58,19 +60,25 @@ def _sql(url: str, statements: list[tuple[str, dict[str, Any]]]) -> list[list[An
     return _in_thread(go)
 
 
-def _schema_diff(url: str) -> list[Any]:
-    def compare(conn: Connection) -> list[Any]:
-        return list(compare_metadata(MigrationContext.configure(conn), Base.metadata))
+def _inspected(url: str, look: Callable[[Connection], T]) -> T:
+    """What `look` finds on a connection to the database."""
 
-    async def go() -> list[Any]:
+    async def go() -> T:
         engine = dbmod.make_engine(url)
         try:
             async with engine.connect() as conn:
-                return await conn.run_sync(compare)
+                return await conn.run_sync(look)
         finally:
             await engine.dispose()
 
     return _in_thread(go)
+
+
+def _schema_diff(url: str) -> list[Any]:
+    def compare(conn: Connection) -> list[Any]:
+        return list(compare_metadata(MigrationContext.configure(conn), Base.metadata))
+
+    return _inspected(url, compare)
 
 
 def test_migrated_schema_is_the_models_schema(empty_url: str) -> None:
@@ -232,3 +240,38 @@ def test_task_settings_migration_keeps_queued_tasks_exact(empty_url: str) -> Non
     command.downgrade(dbmod.alembic_config(empty_url), "0006")
     (rows,) = _sql(empty_url, [("SELECT id, policy_version FROM task", {})])
     assert rows == [(1, 3)]
+
+
+def _unindexed_foreign_keys(url: str) -> list[str]:
+    """Each foreign key whose referencing columns lead no index of their table: deleting one
+    referenced row (a cascade, or the check that nothing refers to it) then reads the whole
+    referencing table, and deleting a pool of n questions reads it n times."""
+
+    def find(conn: Connection) -> list[str]:
+        insp = inspect(conn)
+        missing = []
+        for table in insp.get_table_names():
+            leads = [tuple(i["column_names"]) for i in insp.get_indexes(table)]
+            leads += [tuple(u["column_names"]) for u in insp.get_unique_constraints(table)]
+            leads.append(tuple(insp.get_pk_constraint(table)["constrained_columns"]))
+            for fk in insp.get_foreign_keys(table):
+                cols = tuple(fk["constrained_columns"])
+                if not any(lead[: len(cols)] == cols for lead in leads):
+                    missing.append(f"{table}({', '.join(cols)}) -> {fk['referred_table']}")
+        return sorted(missing)
+
+    return _inspected(url, find)
+
+
+#: referencing columns without an index of their own, and why that reads nothing per row
+UNINDEXED = {
+    # a pool is deleted in one statement; its cascade reads the states once, not once per row
+    "run_question(pool_id) -> pool",
+}
+
+
+def test_every_foreign_key_leads_an_index(empty_url: str) -> None:
+    """Migration 0012: deleting a pool of 1M questions on Postgres read its 200,000 states once
+    per question (run_question's key starts with the scope), for more than 15 minutes."""
+    dbmod.upgrade(empty_url)
+    assert set(_unindexed_foreign_keys(empty_url)) == UNINDEXED

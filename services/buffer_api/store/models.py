@@ -146,7 +146,11 @@ class RunQuestion(Base):
     """One run's view of one question (scope = run id, or `pool_scope(pool id)` for pooled pools)."""
 
     __tablename__ = "run_question"
-    __table_args__ = (Index("ix_run_question_bucket", "scope", "retired", "bucket"),)
+    __table_args__ = (
+        Index("ix_run_question_bucket", "scope", "retired", "bucket"),
+        # a deleted question's states (its foreign key's cascade) found without reading them all
+        Index("ix_run_question_question", "question_id"),
+    )
     scope: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     question_id: Mapped[int] = mapped_column(ForeignKey("question.id", ondelete="CASCADE"), primary_key=True)
     pool_id: Mapped[int] = mapped_column(ForeignKey("pool.id", ondelete="CASCADE"))
@@ -209,6 +213,7 @@ class Task(Base):
     __table_args__ = (
         Index("ix_task_run_status", "run_id", "status", "id"),
         Index("ix_task_batch", "batch_id"),
+        Index("ix_task_question", "question_id"),
     )
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     batch_id: Mapped[str] = mapped_column(ForeignKey("batch.id", ondelete="CASCADE"))
