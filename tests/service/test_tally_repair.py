@@ -216,3 +216,37 @@ async def test_a_repair_that_meets_a_fold_counts_again(
     monkeypatch.setattr(repo, "recount_tallies", recount)
     assert await _check(url) == []
     await _assert_tallies_hold(url)
+
+
+async def test_a_check_counts_in_one_snapshot(
+    backend: Backend, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer commits a state between the check's sum of the state tally and its count of the
+    states: both are read in one snapshot, so the check finds nothing off (it would report the
+    state's cell if each read saw the database as it was then), and the next check neither."""
+    await setup_pool(client, phase="mixed", sharing="pooled", questions=4)
+    url = backend.database_url
+    p1 = await _pool_id(url, "p1")
+    (qid,) = (await db_rows(url, f"SELECT max(id) FROM question WHERE pool_id = {p1}"))[0]
+    await _execute(url, f"DELETE FROM run_question WHERE question_id = {qid}")
+    cells = repo._cells
+    reads = 0
+
+    async def write_between(session: Any, sql: str, keys: int) -> dict[tuple[int, ...], tuple[int, ...]]:
+        nonlocal reads
+        reads += 1
+        out = await cells(session, sql, keys)
+        if reads == 1:  # the state tally summed; its states not counted yet
+            await _execute(
+                url,
+                "INSERT INTO run_question (scope, question_id, pool_id, last_k, bucket, retired, "
+                f"last_step, updated_at) VALUES ({-p1}, {qid}, {p1}, 2, 1, false, 0, '2026-01-01')",
+            )
+        return out
+
+    monkeypatch.setattr(repo, "_cells", write_between)
+    assert await _check(url) == []
+    assert reads == 6
+    monkeypatch.setattr(repo, "_cells", cells)
+    assert await _check(url) == []
+    assert (await db_rows(url, f"SELECT count(*) FROM run_question WHERE question_id = {qid}"))[0][0] == 1

@@ -245,12 +245,18 @@ class Database:
 
     async def check_tallies(self, *, repair: bool = False, attempts: int = 5) -> list[repo.TallyDrift]:
         """The tally cells that differ from counting their rows; with `repair` set to the counts.
-        Counts every question, state and trajectory (seconds at 1M questions). On Postgres it
-        runs beside the service's writers and waits for none (REPEATABLE READ, see
-        `repo.recount_tallies`); a serialization failure against a concurrent fold is retried."""
+        Counts every question, state and trajectory (seconds at 1M questions), in one snapshot.
+        On Postgres it runs beside the service's writers and none waits for it (REPEATABLE READ,
+        see `repo.recount_tallies`); a serialization failure against a concurrent fold is
+        retried. On SQLite a repair holds the file's write lock while it counts."""
         check = repo.recount_tallies if repair else repo.tally_drift
         if self.is_sqlite:
-            async with self.write() as session:
+            # one transaction from the first read on (sqlite3 would begin one only at the first
+            # write, and each read would see the file as it was then): a snapshot for a check,
+            # the write lock for a repair (another process may be the service writing the file)
+            async with self.sessions() as session, session.begin():
+                begin = "BEGIN IMMEDIATE" if repair else "BEGIN"
+                await (await session.connection()).exec_driver_sql(begin)
                 return await check(session)
         engine = self.engine.execution_options(isolation_level="REPEATABLE READ")
         for attempt in range(1, attempts + 1):

@@ -406,8 +406,8 @@ async def recount_tallies(session: AsyncSession) -> list[TallyDrift]:
     On Postgres the session's transaction must be REPEATABLE READ: the tally rows it deletes and
     the rows it counts are then of one snapshot, and a writer that commits meanwhile keeps the rows
     its statements added to the tallies (invisible to the snapshot, so not deleted), so its changes
-    count once. Nothing waits for a lock; a fold that moves the same rows makes the one that
-    commits second fail with a serialization error (run again)."""
+    count once, and no writer waits. A fold that deletes the same tally rows waits for the repair,
+    or, if it committed first, makes the repair fail with a serialization error (run again)."""
     drift = await tally_drift(session)
     for table in _TALLIES:
         if any(d.tally == table.name for d in drift):
