@@ -210,7 +210,8 @@ def db_tallies(
     def table() -> RenderableType:
         if not drift:
             return f"database {result['database_url']}: every tally agrees with its rows"
-        title = f"{len(drift)} tally cells differed from their rows" + (
+        cells = f"{len(drift)} tally cell" + ("s" if len(drift) != 1 else "")
+        title = f"{cells} differed from their rows" + (
             ", now set to the counts" if repair else " (--repair sets them to the counts)"
         )
         return render.rows_table(

@@ -128,7 +128,7 @@ async def test_the_cli_reports_drift_and_repairs_it(backend: Backend, client: ht
     await _execute(url, f"INSERT INTO question_tally (pool_id, n) VALUES ({p1}, 4)")
     found = await asyncio.to_thread(_cli, "db", "tallies", "--database-url", url)
     assert found.exit_code == 1, found.output
-    assert "1 tally cells differed" in _words(found.output) and "question_tally" in found.output
+    assert "1 tally cell differed" in _words(found.output) and "question_tally" in found.output
     repaired = await asyncio.to_thread(_cli, "--json", "db", "tallies", "--repair", "--database-url", url)
     assert repaired.exit_code == 0, repaired.output
     body = json.loads(repaired.output)
