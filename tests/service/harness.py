@@ -68,6 +68,17 @@ TOKENS = [
 ]
 
 
+async def db_execute(database_url: str, *statements: str) -> None:
+    """Statements run straight on the service's database, in one transaction (behind its back)."""
+    engine = create_async_engine(database_url)
+    try:
+        async with engine.begin() as conn:
+            for sql in statements:
+                await conn.execute(text(sql))
+    finally:
+        await engine.dispose()
+
+
 async def db_rows(database_url: str, sql: str) -> list[tuple[Any, ...]]:
     """The rows of one statement, read straight from the service's database."""
     engine = create_async_engine(database_url)

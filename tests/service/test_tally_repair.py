@@ -13,7 +13,6 @@ import asyncpg
 import httpx
 import pytest
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
 from typer.testing import CliRunner
 
 from exgrpo_cli.main import app
@@ -21,18 +20,8 @@ from exgrpo_pool.store import db as dbmod
 from exgrpo_pool.store import repo
 
 from .factories import pool_stats, setup_pool
-from .harness import Backend, db_rows
+from .harness import Backend, db_execute, db_rows
 from .test_tallies import POSTGRES, _assert_tallies_hold, _write_everything
-
-
-async def _execute(url: str, *statements: str) -> None:
-    engine = create_async_engine(url)
-    try:
-        async with engine.begin() as conn:
-            for sql in statements:
-                await conn.execute(text(sql))
-    finally:
-        await engine.dispose()
 
 
 async def _check(url: str, *, repair: bool = False) -> list[repo.TallyDrift]:
@@ -66,7 +55,7 @@ async def _plant_drift(url: str) -> Said:
         "GROUP BY 1 ORDER BY 1",
     )
     questions = (await db_rows(url, f"SELECT count(*) FROM question WHERE pool_id = {p2}"))[0][0]
-    await _execute(
+    await db_execute(
         url,
         # tally rows without their counted rows, added the way the triggers add theirs
         f"INSERT INTO state_tally (scope, bucket, retired, n) VALUES ({scope}, {bucket}, false, 3)",
@@ -125,7 +114,7 @@ async def test_the_cli_reports_drift_and_repairs_it(backend: Backend, client: ht
     clean = await asyncio.to_thread(_cli, "db", "tallies", "--database-url", url)
     assert clean.exit_code == 0, clean.output
     assert "every tally agrees with its rows" in _words(clean.output)
-    await _execute(url, f"INSERT INTO question_tally (pool_id, n) VALUES ({p1}, 4)")
+    await db_execute(url, f"INSERT INTO question_tally (pool_id, n) VALUES ({p1}, 4)")
     found = await asyncio.to_thread(_cli, "db", "tallies", "--database-url", url)
     assert found.exit_code == 1, found.output
     assert "1 tally cell differed" in _words(found.output) and "question_tally" in found.output
@@ -161,7 +150,7 @@ async def test_a_repair_waits_for_no_writer_and_keeps_their_counts(
     url = backend.database_url
     p1 = await _pool_id(url, "p1")
     qids = [q for (q,) in await db_rows(url, f"SELECT id FROM question WHERE pool_id = {p1} ORDER BY id")]
-    await _execute(url, f"INSERT INTO state_tally (scope, bucket, retired, n) VALUES ({-p1}, 1, false, 7)")
+    await db_execute(url, f"INSERT INTO state_tally (scope, bucket, retired, n) VALUES ({-p1}, 1, false, 7)")
     writer = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
     insert = (
         "INSERT INTO run_question (scope, question_id, pool_id, last_k, bucket, retired, last_step, "
@@ -228,7 +217,7 @@ async def test_a_check_counts_in_one_snapshot(
     url = backend.database_url
     p1 = await _pool_id(url, "p1")
     (qid,) = (await db_rows(url, f"SELECT max(id) FROM question WHERE pool_id = {p1}"))[0]
-    await _execute(url, f"DELETE FROM run_question WHERE question_id = {qid}")
+    await db_execute(url, f"DELETE FROM run_question WHERE question_id = {qid}")
     cells = repo._cells
     reads = 0
 
@@ -237,7 +226,7 @@ async def test_a_check_counts_in_one_snapshot(
         reads += 1
         out = await cells(session, sql, keys)
         if reads == 1:  # the state tally summed; its states not counted yet
-            await _execute(
+            await db_execute(
                 url,
                 "INSERT INTO run_question (scope, question_id, pool_id, last_k, bucket, retired, "
                 f"last_step, updated_at) VALUES ({-p1}, {qid}, {p1}, 2, 1, false, 0, '2026-01-01')",

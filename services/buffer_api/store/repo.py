@@ -319,16 +319,24 @@ _TALLIES: dict[Table, tuple[str, dict[str, str], dict[str, str]]] = {
 }
 
 
-def _counted(table: Table) -> str:
-    """The rows a tally counts, a row per cell, in the tally's columns."""
+def _counted(table: Table, source: str | None = None) -> str:
+    """The rows a tally counts, a row per cell, in the tally's columns; from `source` (a CTE of
+    rows shaped like the counted table's) instead of the whole counted table."""
     counted, keys, values = _TALLIES[table]
+    exprs = ", ".join([*keys.values(), *values.values()])
     groups = ", ".join(str(i + 1) for i in range(len(keys)))
-    return f"SELECT {', '.join([*keys.values(), *values.values()])} FROM {counted} GROUP BY {groups}"
+    return f"SELECT {exprs} FROM {source or counted} GROUP BY {groups}"
 
 
-def _recount(table: Table) -> str:
+def _recount(table: Table, source: str | None = None) -> str:
+    """The tally rows of what `_counted` counts."""
     _, keys, values = _TALLIES[table]
-    return f"INSERT INTO {table.name} ({', '.join([*keys, *values])}) {_counted(table)}"
+    return f"INSERT INTO {table.name} ({', '.join([*keys, *values])}) {_counted(table, source)}"
+
+
+def _unnest(types: Iterable[str]) -> str:
+    """`unnest`'s arguments: one Postgres array parameter per column, of the columns' types."""
+    return ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(types))
 
 
 #: Postgres: the trajectory tally's rows of every stored trajectory, for a database whose
@@ -605,9 +613,9 @@ _STATE_ARRAY_TYPES = {
     "updated_at": "timestamptz",
 }
 _STATES_UPSERT_PG = (
-    f"INSERT INTO run_question ({', '.join(_STATE_ARRAY_TYPES)}) SELECT * FROM unnest("
-    + ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(_STATE_ARRAY_TYPES.values()))
-    + ") ON CONFLICT (scope, question_id) DO UPDATE SET last_k = excluded.last_k, "
+    f"INSERT INTO run_question ({', '.join(_STATE_ARRAY_TYPES)}) "
+    f"SELECT * FROM unnest({_unnest(_STATE_ARRAY_TYPES.values())}) "
+    "ON CONFLICT (scope, question_id) DO UPDATE SET last_k = excluded.last_k, "
     "last_step = excluded.last_step, last_run_id = excluded.last_run_id, updated_at = excluded.updated_at, "
     "bucket = CASE WHEN excluded.retired THEN NULL WHEN excluded.bucket IS NULL THEN run_question.bucket "
     "WHEN run_question.retired THEN NULL ELSE excluded.bucket END, "
@@ -728,6 +736,21 @@ _PG_ARRAY_TYPES = {
     "text": "text",
     "created_at": "timestamptz",
 }
+_TRAJECTORY_CONFLICT = "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING"
+#: Postgres: the trajectories over arrays, with the tally rows of what was inserted in the same
+#: statement (migration 0010: no INSERT trigger on `trajectory`); how many were new
+_TRAJECTORIES_INSERT_PG = (
+    f"WITH stored AS (INSERT INTO trajectory ({', '.join(_TRAJECTORY_COLUMNS)}) "
+    f"SELECT * FROM unnest({_unnest(_PG_ARRAY_TYPES[c] for c in _TRAJECTORY_COLUMNS)}) "
+    f"{_TRAJECTORY_CONFLICT} "
+    f"RETURNING pool_id, source_run_id, num_tokens), counted AS ({_recount(trajectory_tally, 'stored')}) "
+    "SELECT count(*) FROM stored"
+)
+#: SQLite: one row's insert, run for every row
+_TRAJECTORY_INSERT_SQLITE = (
+    f"INSERT INTO trajectory ({', '.join(_TRAJECTORY_COLUMNS)}) "
+    f"VALUES ({', '.join('?' * len(_TRAJECTORY_COLUMNS))}) {_TRAJECTORY_CONFLICT}"
+)
 
 
 async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]]) -> int:
@@ -741,30 +764,17 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
     if not rows:
         return 0
     conn = await session.connection()
-    names = ", ".join(_TRAJECTORY_COLUMNS)
-    conflict = "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING"
     if conn.dialect.name == "postgresql":
-        # the tally rows of what was inserted, in the same statement (migration 0010)
-        arrays = ", ".join(f"${i + 1}::{_PG_ARRAY_TYPES[c]}[]" for i, c in enumerate(_TRAJECTORY_COLUMNS))
-        sql = (
-            f"WITH stored AS (INSERT INTO trajectory ({names}) SELECT * FROM unnest({arrays}) {conflict} "
-            "RETURNING pool_id, source_run_id, num_tokens), "
-            "counted AS (INSERT INTO trajectory_tally (pool_id, run_id, n, tokens) "
-            "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM stored "
-            "GROUP BY 1, 2) SELECT count(*) FROM stored"
-        )
         columns = tuple([r[c] for r in rows] for c in _TRAJECTORY_COLUMNS)
-        return int((await conn.exec_driver_sql(sql, columns)).scalar_one())
-    marks = ", ".join("?" * len(_TRAJECTORY_COLUMNS))
+        return int((await conn.exec_driver_sql(_TRAJECTORIES_INSERT_PG, columns)).scalar_one())
     get = itemgetter(*_TRAJECTORY_COLUMNS[:-1])
-    sql = f"INSERT INTO trajectory ({names}) VALUES ({marks}) {conflict}"
     # the timestamps in the text form SQLAlchemy gives the column (every other value binds as is)
     dialect = conn.dialect
     stamp = Trajectory.__table__.c.created_at.type.dialect_impl(dialect).bind_processor(dialect)
     text = {at: at if stamp is None else stamp(at) for at in {r["created_at"] for r in rows}}
     values = [(*get(r), text[r["created_at"]]) for r in rows]
     # the driver sums the rows each parameter set inserted (a conflict inserts none)
-    return int((await conn.exec_driver_sql(sql, values)).rowcount)
+    return int((await conn.exec_driver_sql(_TRAJECTORY_INSERT_SQLITE, values)).rowcount)
 
 
 async def trajectories_of(
