@@ -33,6 +33,7 @@ import pool_bench as pb
 import tally_bench
 
 from exgrpo_pool.store import db as dbmod
+from exgrpo_pool.store.models import question_tally
 
 
 async def _delete_sqlite(path: str, triggers: bool) -> float:
@@ -74,7 +75,7 @@ async def _tallies(url: str) -> dict[str, float]:
         assert await db.check_tallies() == [], "the seeded pool's tallies should agree with its rows"
         check = time.perf_counter() - t0
         async with db.write() as session:
-            await session.execute(dbmod.repo.question_tally.insert().values(pool_id=1, n=5))
+            await session.execute(question_tally.insert().values(pool_id=1, n=5))
         t0 = time.perf_counter()
         repaired = await db.check_tallies(repair=True)
         repair = time.perf_counter() - t0
