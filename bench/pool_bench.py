@@ -119,6 +119,8 @@ MAX_ACTIVE: int | None = None
 SQLITE_DRIVER: str | None = None
 #: an older tree whose service runs instead of this one (`--service-src`; None: this tree's)
 SERVICE_SRC: Path | None = None
+#: the service's ingest_group_max (`--ingest-group-max`; None: its default)
+INGEST_GROUP_MAX: int | None = None
 
 
 def older_service_path(src: Path) -> str:
@@ -215,6 +217,8 @@ def start_server(
         env["EXGRPO_MAX_ACTIVE_REQUESTS"] = str(MAX_ACTIVE)
     if script == SERVE and SQLITE_DRIVER is not None:
         env["EXGRPO_SQLITE_DRIVER"] = SQLITE_DRIVER
+    if script == SERVE and INGEST_GROUP_MAX is not None:
+        env["EXGRPO_INGEST_GROUP_MAX"] = str(INGEST_GROUP_MAX)
     if script == SERVE and SERVICE_SRC is not None:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (older_service_path(SERVICE_SRC), env.get("PYTHONPATH", "")) if p
@@ -1464,6 +1468,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the service's sqlite_driver (default: the service's own)",
     )
     ap.add_argument(
+        "--ingest-group-max",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the service's ingest_group_max (a run's waiting ingests written in one transaction, "
+        "Postgres; 1: each alone; default: the service's own)",
+    )
+    ap.add_argument(
         "--floor",
         action="store_true",
         help="only select, plan, commit and ingest, interleaved with the floor (bench/_floor.py) on a copy",
@@ -1489,8 +1501,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global SERVICE_WORKERS, MAX_ACTIVE, SQLITE_DRIVER, SERVICE_SRC
+    global SERVICE_WORKERS, MAX_ACTIVE, SQLITE_DRIVER, SERVICE_SRC, INGEST_GROUP_MAX
     args = parse(argv)
+    INGEST_GROUP_MAX = args.ingest_group_max
     SERVICE_SRC = args.service_src
     SERVICE_WORKERS = args.service_workers
     MAX_ACTIVE = args.max_active

@@ -321,7 +321,10 @@ async def build_context(settings: Settings, metrics: Metrics | None = None) -> C
         shared_file=settings.workers > 1,
         sqlite_cache_mb=settings.sqlite_cache_mb,
         sqlite_inline=settings.sqlite_driver == "inline",
+        group_max=settings.ingest_group_max,
     )
+    metrics = metrics or Metrics()
+    database.on_group = metrics.grouped_writes.observe
     redis_client = None
     index: Any
     if settings.redis_url:
@@ -342,9 +345,7 @@ async def build_context(settings: Settings, metrics: Metrics | None = None) -> C
         index = RedisIndex(redis_client, settings.redis_prefix)
     else:
         index = MemoryIndex()
-    return Context(
-        settings=settings, db=database, index=index, metrics=metrics or Metrics(), redis=redis_client
-    )
+    return Context(settings=settings, db=database, index=index, metrics=metrics, redis=redis_client)
 
 
 async def rebuild_all(ctx: Context) -> int:

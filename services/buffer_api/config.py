@@ -138,6 +138,12 @@ class Settings(BaseSettings):
     All of a process's requests share one event loop, and a write holds the database's write lock
     across its statements: with many requests in flight, each of its statements waits behind all
     of them (the 50-client benchmark on SQLite: commits waited ~10 s)."""
+    ingest_group_max: int = Field(8, ge=1, le=256)
+    """Postgres: ingests into one run that arrive while the run's previous ingest is being written
+    are written together, up to this many in one transaction (each in a savepoint of its own: one
+    that fails is undone alone). They would wait for the run's row lock in turn anyway; together
+    they take it, a connection and a commit once. 1: each ingest in its own transaction. SQLite
+    writes one transaction at a time regardless."""
     workers: int = Field(1, ge=1, le=64)
     """Service processes of `exgrpo serve`, sharing one listening socket. More than one needs
     `redis_url`: the in-process sampling index cannot be shared between processes."""

@@ -101,6 +101,13 @@ class Metrics:
             registry=r,
         )
         self.index_rebuilds = Counter("exgrpo_index_rebuilds_total", "Index rebuilds.", registry=r)
+        self.grouped_writes = Histogram(
+            "exgrpo_db_grouped_writes",
+            "Writes committed in one transaction together (a run's ingests that waited for its "
+            "previous one; Postgres).",
+            registry=r,
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256),
+        )
 
     def exposition(self) -> bytes:
         """The text `/metrics` answers: this app's registry, or in multiprocess mode the values

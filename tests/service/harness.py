@@ -14,6 +14,7 @@ import asyncpg
 import httpx
 import redis
 from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -121,7 +122,16 @@ class Backend:
 
 @contextlib.asynccontextmanager
 async def serve(settings: Settings, token: str = ADMIN_TOKEN) -> AsyncIterator[httpx.AsyncClient]:
-    """A started app (lifespan included) and a client that talks to it with `token`.
+    """A started app (lifespan included) and a client that talks to it with `token`."""
+    async with serve_app(settings, token) as (_app, client):
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def serve_app(
+    settings: Settings, token: str = ADMIN_TOKEN
+) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """`serve`, with the app (for tests that look at its state while requests are in flight).
 
     Requests go to the app itself, not to the lifespan manager's wrapper: that wrapper hands every
     request the same `state` dict, so concurrent requests would share `request.state` (a server
@@ -136,4 +146,4 @@ async def serve(settings: Settings, token: str = ADMIN_TOKEN) -> AsyncIterator[h
             timeout=60,
         ) as client,
     ):
-        yield client
+        yield app, client

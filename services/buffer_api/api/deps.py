@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -194,13 +194,19 @@ class Idempotency:
         reference: Callable[[Any], dict[str, Any]] | None = None,
         resolve: Callable[[dict[str, Any]], Awaitable[object]] | None = None,
         respond: Responder | None = None,
+        group: Hashable | None = None,
     ) -> Any:
         """`reference`/`resolve`: remember a small reference instead of a large response body (a
         batch plan), and rebuild the response from it on a replay. `respond`: how an answer is
-        written (JSON by default; a binary frame where the client asked for one)."""
+        written (JSON by default; a binary frame where the client asked for one). `group`: the
+        write may share its transaction with others of the same key (`Database.transaction`)."""
         write: Responder = respond or json_response
         if self.key is None:
-            return write(await fn(), status_code, None)
+            if group is None:
+                return write(await fn(), status_code, None)
+            async with self.ctx.db.transaction(group):
+                result = await fn()
+            return write(result, status_code, None)
         body = await self.request.body()
         route = f"{self.request.method} {self.request.url.path}"
         # hashed in a thread beside the write (megabytes for a commit): the hash is needed when the
@@ -215,7 +221,7 @@ class Idempotency:
                 if cached is not None:
                     return await self._replay(cached, digest, resolve, write)
             try:
-                return await self._first(fn, status_code, route, digest, reference, write)
+                return await self._first(fn, status_code, route, digest, reference, write, group)
             except _KeyTaken:
                 continue
         raise Conflict("this Idempotency-Key is in use by another request; retry in a moment")
@@ -228,9 +234,10 @@ class Idempotency:
         digest: asyncio.Future[str],
         reference: Callable[[Any], dict[str, Any]] | None,
         respond: Responder,
+        group: Hashable | None,
     ) -> Any:
         key = self.key or ""
-        async with self.ctx.db.transaction() as session:
+        async with self.ctx.db.transaction(group) as session:
             try:
                 await repo.record_idempotent(
                     session,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +115,30 @@ class _Shared:
 
 _shared: ContextVar[_Shared | None] = ContextVar("exgrpo_shared_transaction", default=None)
 
+
+@dataclass(eq=False)
+class _Member:
+    """One block's place in a grouped transaction (`Database.transaction(group=...)`): handed the
+    transaction's session on its turn, it says how its block ended, then waits for the commit."""
+
+    turn: asyncio.Future[AsyncSession]
+    #: the block ended: None, or what it raised (its savepoint is then rolled back)
+    done: asyncio.Future[BaseException | None]
+    committed: asyncio.Future[None]
+
+
+@dataclass(eq=False)
+class _Queue:
+    """The blocks of one group key waiting for a transaction, and the task that opens them."""
+
+    waiting: deque[_Member] = field(default_factory=deque)
+    leader: asyncio.Task[None] | None = None
+
+
+class _BlockFailed(Exception):
+    """A group of one whose block raised: its transaction rolls back (the block has its error)."""
+
+
 #: set by `Database.hot()` for the task's requests on the hot path
 _hot: ContextVar[bool] = ContextVar("exgrpo_hot_path", default=False)
 
@@ -136,6 +161,7 @@ class Database:
         shared_file: bool = False,
         sqlite_cache_mb: int = SQLITE_CACHE_MB,
         sqlite_inline: bool = False,
+        group_max: int = 1,
     ) -> None:
         self.url = url
         self.engine = make_engine(url, pool_size=pool_size, sqlite_cache_mb=sqlite_cache_mb)
@@ -164,6 +190,12 @@ class Database:
         self._checkpoint_again = False
         self._fold: asyncio.Task[None] | None = None
         self._writes_unfolded = 0
+        #: Postgres: blocks of one group key that wait while the key's transaction is open go
+        #: into the next one together, up to this many (`transaction(group=...)`)
+        self.group_max = group_max if not self.is_sqlite else 1
+        self._groups: dict[Hashable, _Queue] = {}
+        #: told the number of blocks of every grouped transaction that committed
+        self.on_group: Callable[[int], None] | None = None
 
     @staticmethod
     @contextlib.contextmanager
@@ -285,21 +317,121 @@ class Database:
             yield session
 
     @contextlib.asynccontextmanager
-    async def transaction(self) -> AsyncIterator[AsyncSession]:
+    async def transaction(self, group: Hashable | None = None) -> AsyncIterator[AsyncSession]:
         """One write transaction for everything the block does, through this object's `write()`
         and `read()` included: an idempotent request commits its writes and its key record
-        together. What `after_commit` was given runs once the transaction has committed."""
+        together. What `after_commit` was given runs once the transaction has committed.
+
+        `group` (Postgres, `group_max` > 1): blocks with the same key share transactions. The
+        first opens one alone; the blocks that arrive while it is open wait (not for a connection
+        or a row lock: in this process) and go into the next transaction together, one after
+        another, each in a savepoint of its own, so a block that raises is undone alone and the
+        others commit. A block sees what the blocks before it wrote, as if they had committed just
+        before it; it returns once the whole transaction has committed, and fails if that fails.
+        The writes of one run's ingests wait for the run's row lock in turn anyway: together they
+        take the lock, a connection and a commit once."""
         if self._joined() is not None:
             raise RuntimeError("Database.transaction() does not nest")
-        async with self.write() as session:
+        if group is None or self.group_max <= 1:
+            async with self.write() as session:
+                shared = _Shared(self, session)
+                token = _shared.set(shared)
+                try:
+                    yield session
+                finally:
+                    _shared.reset(token)
+        else:
+            member = self._enqueue(group)
+            try:
+                session = await member.turn
+            except BaseException as exc:  # cancelled while waiting, or just as its turn came
+                if member.turn.done() and not member.turn.cancelled() and not member.done.done():
+                    member.done.set_result(exc)
+                raise
             shared = _Shared(self, session)
             token = _shared.set(shared)
             try:
                 yield session
+            except BaseException as exc:
+                member.done.set_result(exc)
+                raise
             finally:
                 _shared.reset(token)
+            member.done.set_result(None)
+            # the others of the group commit with it whatever becomes of this request's task
+            await asyncio.shield(member.committed)
+            faults.committed()
         for callback in shared.after_commit:
             await _follow_up(callback)
+
+    def _enqueue(self, group: Hashable) -> _Member:
+        loop = asyncio.get_running_loop()
+        member = _Member(loop.create_future(), loop.create_future(), loop.create_future())
+        queue = self._groups.setdefault(group, _Queue())
+        queue.waiting.append(member)
+        if queue.leader is None:
+            queue.leader = loop.create_task(self._lead(group, queue))
+        return member
+
+    async def _lead(self, group: Hashable, queue: _Queue) -> None:
+        """Open transactions for the blocks of `group` while any wait, each for all that wait
+        (up to `group_max`); gone when none is left."""
+        try:
+            while queue.waiting:
+                members: list[_Member] = []
+                while queue.waiting and len(members) < self.group_max:
+                    member = queue.waiting.popleft()
+                    if not member.turn.cancelled():
+                        members.append(member)
+                if members:
+                    await self._grouped(members)
+        finally:
+            queue.leader = None
+            if self._groups.get(group) is queue and not queue.waiting:
+                del self._groups[group]
+
+    async def _grouped(self, members: list[_Member]) -> None:
+        """One transaction for `members`' blocks, one after another; a block that raised is rolled
+        back to its savepoint (a group of one rolls back the whole transaction)."""
+        alone = len(members) == 1
+        kept: list[_Member] = []
+        try:
+            async with self.write() as session:
+                for member in members:
+                    if member.turn.cancelled():  # gave up while the blocks before it ran
+                        continue
+                    savepoint = None if alone else await session.begin_nested()
+                    member.turn.set_result(session)
+                    failed = await member.done
+                    if failed is None:
+                        if savepoint is not None:
+                            await savepoint.commit()
+                        kept.append(member)
+                    elif savepoint is not None:
+                        await savepoint.rollback()
+                        if isinstance(failed, DBAPIError) and failed.connection_invalidated:
+                            raise failed  # the connection is gone, and the transaction with it
+                    else:
+                        raise _BlockFailed()
+        except _BlockFailed:
+            return
+        except BaseException as exc:
+            for member in members:
+                if not member.turn.done():
+                    member.turn.set_exception(exc)
+                elif member.turn.cancelled() or (member.done.done() and member.done.result() is not None):
+                    continue  # never ran, or failed by itself
+                elif not member.committed.done():
+                    # ran (or runs on: this task was cancelled) and waits for the commit
+                    member.committed.set_exception(exc)
+            # every waiting block is told; a cancellation of this task itself goes on
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for member in kept:
+            member.committed.set_result(None)
+        if kept and self.on_group is not None:
+            self.on_group(len(kept))
 
     async def after_commit(self, callback: Callable[[], Awaitable[None]]) -> None:
         """Run `callback` after the current `transaction()` commits, or now outside of one (the

@@ -168,7 +168,10 @@ async def ingest(
 ) -> object:
     wire.prepare(body)
     with ctx.db.hot():
-        return await idem.run(lambda: batches.ingest(ctx, pool, run, body, lease))
+        # one run's ingests take its row lock in turn: those that wait share one transaction
+        return await idem.run(
+            lambda: batches.ingest(ctx, pool, run, body, lease), group=("ingest", pool, run)
+        )
 
 
 @router.post("/{run}/select", response_model=s.SelectResult, responses=frame_answer(s.SelectResult))
