@@ -736,8 +736,9 @@ def floor_throughput_table(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown: ingest throughput of the service and the floor (best of the rounds)."""
     out = [
         "| backend | questions | encoding | groups per request | producers | service traj/s | floor traj/s "
-        "| service/floor | service p50 ms | floor p50 ms | service CPU ms | floor CPU ms | CPU ratio |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| service/floor | service p50 ms | floor p50 ms | service CPU ms | floor CPU ms | CPU ratio "
+        "| service ingests per transaction |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         for enc, sides in r.get("floor_ingest", {}).items():
@@ -748,7 +749,8 @@ def floor_throughput_table(rows: list[dict[str, Any]]) -> list[str]:
                 f"| {a['concurrency']} "
                 f"| {a['trajectories_per_s']:,.0f} | {b['trajectories_per_s']:,.0f} "
                 f"| {a['trajectories_per_s'] / b['trajectories_per_s']:.2f} | {_f(a['p50_ms'])} "
-                f"| {_f(b['p50_ms'])} | {_round_cpu(a)} | {_round_cpu(b)} | {_cpu_ratio(a, b)} |"
+                f"| {_f(b['p50_ms'])} | {_round_cpu(a)} | {_round_cpu(b)} | {_cpu_ratio(a, b)} "
+                f"| {a.get('ingests_per_transaction') or '-'} |"
             )
     return out
 
@@ -941,10 +943,17 @@ async def _ingest(
         ing.append(smp)
         stored_total += r.json()["stored_trajectories"]
 
+    g0 = await _grouped_writes(api)
     t0, c0 = time.perf_counter(), cpu_ms(api.pid)
     await asyncio.gather(*(one(b) for b in bodies))
     wall, cpu = time.perf_counter() - t0, cpu_ms(api.pid) - c0
+    g1 = await _grouped_writes(api)
+    grouped = None
+    if g0 is not None and g1 is not None and g1[0] > g0[0]:
+        # ingests per transaction of those the service wrote in groups (Postgres)
+        grouped = round((g1[1] - g0[1]) / (g1[0] - g0[0]), 2)
     return {
+        "ingests_per_transaction": grouped,
         **summarize(ing),
         "requests": len(bodies),
         "groups_per_request": opts.ingest_groups if groups is None else groups,
@@ -957,6 +966,18 @@ async def _ingest(
         # every request that overlapped it when several producers send at once)
         "round_cpu_ms_per_request": round(cpu / len(bodies), 2),
     }
+
+
+async def _grouped_writes(api: Api) -> tuple[float, float] | None:
+    """The service's grouped transactions so far and the writes they held (`/metrics`; None from
+    the floor, or a service without the metric)."""
+    r = await api.client.get("/metrics")
+    if r.status_code != 200:
+        return None
+    found = dict(re.findall(r"^exgrpo_db_grouped_writes_(count|sum) (\S+)$", r.text, re.M))
+    if len(found) != 2:
+        return None
+    return float(found["count"]), float(found["sum"])
 
 
 async def _unrelated_keys(

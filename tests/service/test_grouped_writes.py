@@ -208,3 +208,19 @@ async def test_sqlite_writes_each_in_its_own_transaction(tmp_path: object) -> No
         assert not db._groups
     finally:
         await db.close()
+
+
+async def test_blocks_waiting_when_the_writer_task_is_cancelled_are_cancelled_too(
+    db: Database, probe_url: str
+) -> None:
+    blocks = Blocks(db)
+    first = await blocks.first_holding()
+    rest = [asyncio.create_task(blocks.block(i)) for i in range(1, 3)]
+    await blocks.waiting(2)
+    leader = db._groups["k"].leader
+    assert leader is not None
+    leader.cancel()  # as when the event loop closes
+    blocks.gate.set()
+    results = await asyncio.gather(first, *rest, return_exceptions=True)
+    assert all(isinstance(r, BaseException) for r in results), results
+    assert await _stored(probe_url) == {} and not db._groups

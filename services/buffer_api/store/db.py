@@ -386,8 +386,12 @@ class Database:
                 if members:
                     await self._grouped(members)
         finally:
+            # left early only when this task is cancelled (the event loop closing): those still
+            # waiting are cancelled with it rather than left waiting for a turn that never comes
+            while queue.waiting:
+                queue.waiting.popleft().turn.cancel()
             queue.leader = None
-            if self._groups.get(group) is queue and not queue.waiting:
+            if self._groups.get(group) is queue:
                 del self._groups[group]
 
     async def _grouped(self, members: list[_Member]) -> None:
