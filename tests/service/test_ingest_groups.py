@@ -117,16 +117,25 @@ async def _qids(client: httpx.AsyncClient, pool: str) -> list[int]:
     return sorted(q["id"] for q in page["data"])
 
 
+@pytest.fixture
+async def lock(served: tuple[FastAPI, httpx.AsyncClient], postgres_url: str) -> AsyncIterator[RunLock]:
+    """The run's lock (once the service has made the run), released at the end of the test
+    whatever happened: a lock left held would hold up the next test's TRUNCATE."""
+    async with RunLock(postgres_url) as held:
+        yield held
+
+
 async def _held_back(
-    app: FastAPI, client: httpx.AsyncClient, url: str, calls: list[Any]
-) -> tuple[RunLock, list[asyncio.Task[httpx.Response]]]:
-    """The first call blocked on the run's lock, the others waiting to be written together."""
-    lock = await RunLock(url).__aenter__()
+    app: FastAPI, url: str, lock: RunLock, calls: list[Any]
+) -> list[asyncio.Task[httpx.Response]]:
+    """With the run's lock held: the first call blocked on it, the others waiting to be written
+    together."""
+    assert lock.conn is not None and not lock.conn.is_closed()
     first = asyncio.create_task(calls[0]())
     await _until(lambda: _waiters_nonempty(url), "the first ingest waits for the run's lock")
     rest = [asyncio.create_task(c()) for c in calls[1:]]
     await _until(lambda: _waiting(app) == len(rest), f"{len(rest)} ingests wait")
-    return lock, [first, *rest]
+    return [first, *rest]
 
 
 async def _waiters_nonempty(url: str) -> bool:
@@ -139,7 +148,7 @@ def _poster(client: httpx.AsyncClient, pool: str, body: dict[str, Any], key: str
 
 
 async def test_waiting_ingests_are_written_together_and_answered_as_one_by_one(
-    served: tuple[FastAPI, httpx.AsyncClient], postgres_url: str
+    served: tuple[FastAPI, httpx.AsyncClient], postgres_url: str, lock: RunLock
 ) -> None:
     app, client = served
     q1, q2 = await _qids(client, "p1"), await _qids(client, "p2")
@@ -148,7 +157,7 @@ async def test_waiting_ingests_are_written_together_and_answered_as_one_by_one(
     before = await _grouped(client)
     # p1: the first waits for the run's lock, the other five wait for it; half carry keys
     calls = [_poster(client, "p1", b, f"k{i}" if i % 2 else None) for i, b in enumerate(_bodies(q1))]
-    lock, tasks = await _held_back(app, client, postgres_url, calls)
+    tasks = await _held_back(app, postgres_url, lock, calls)
     await lock.release()
     together = [ok(r) for r in await asyncio.gather(*tasks)]
     assert together == alone
@@ -172,7 +181,7 @@ async def test_waiting_ingests_are_written_together_and_answered_as_one_by_one(
 
 
 async def test_in_a_group_a_bad_ingest_fails_alone_and_a_repeated_key_replays(
-    served: tuple[FastAPI, httpx.AsyncClient], postgres_url: str
+    served: tuple[FastAPI, httpx.AsyncClient], postgres_url: str, lock: RunLock
 ) -> None:
     app, client = served
     q = await _qids(client, "p1")
@@ -187,7 +196,7 @@ async def test_in_a_group_a_bad_ingest_fails_alone_and_a_repeated_key_replays(
         _poster(client, "p1", good, "same"),  # a retry racing its first attempt
         _poster(client, "p1", other, None),
     ]
-    lock, tasks = await _held_back(app, client, postgres_url, calls)
+    tasks = await _held_back(app, postgres_url, lock, calls)
     await lock.release()
     first, a, bad, again, last = await asyncio.gather(*tasks)
     assert bad.status_code == 422 and "are not in pool" in bad.json()["detail"]
@@ -202,13 +211,13 @@ async def test_in_a_group_a_bad_ingest_fails_alone_and_a_repeated_key_replays(
 
 
 async def test_a_group_whose_connection_dies_answers_each_503_and_retries_land_once(
-    served: tuple[FastAPI, httpx.AsyncClient], postgres_url: str
+    served: tuple[FastAPI, httpx.AsyncClient], postgres_url: str, lock: RunLock
 ) -> None:
     app, client = served
     q = await _qids(client, "p1")
     bodies = [{"groups": [group(q[i], [1, 0, 0, 0])]} for i in range(4)]
     calls = [_poster(client, "p1", b, f"cut{i}") for i, b in enumerate(bodies)]
-    lock, tasks = await _held_back(app, client, postgres_url, calls)
+    tasks = await _held_back(app, postgres_url, lock, calls)
     kill = (
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
         "WHERE wait_event_type = 'Lock' AND datname = current_database()"
