@@ -11,7 +11,7 @@ import logging
 import sqlite3
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import sqlalchemy.exc
@@ -112,18 +112,23 @@ def install_handlers(app: FastAPI) -> None:
 
 def unavailable(request: Request, what: str, exc: BaseException) -> JSONResponse:
     """503 with Retry-After: `what` (a backing store) did not answer; nothing was changed."""
+    return retry_later(
+        request,
+        f"{what} unavailable",
+        exc,
+        f"{what} did not answer ({type(exc).__name__}); the request changed nothing. Retry in a moment",
+    )
+
+
+def retry_later(request: Request, what: str, exc: BaseException, detail: str) -> JSONResponse:
+    """503 with Retry-After, logged as a warning: the request changed nothing and may be retried."""
     log.warning(
-        "%s unavailable: %s",
+        "%s: %s",
         what,
         exc,
         extra={"fields": {"path": request.url.path, "request_id": request.state.request_id}},
     )
-    response = problem(
-        503,
-        "Service unavailable",
-        f"{what} did not answer ({type(exc).__name__}); the request changed nothing. Retry in a moment",
-        request,
-    )
+    response = problem(503, "Service unavailable", detail, request)
     response.headers["Retry-After"] = "1"
     return response
 
@@ -139,10 +144,7 @@ _DATABASE_DOWN = (
 def database_unavailable(exc: BaseException) -> bool:
     """Whether `exc` (or an exception it was raised from) says the database cannot be reached, as
     opposed to a failure of the request itself."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
+    for cur in _causes(exc):
         if isinstance(cur, _DATABASE_DOWN):
             return True
         if isinstance(cur, sqlalchemy.exc.DBAPIError) and cur.connection_invalidated:
@@ -150,8 +152,31 @@ def database_unavailable(exc: BaseException) -> bool:
         if isinstance(cur, sqlite3.OperationalError) and sqlite_lock_error(cur):
             # another program held the file's lock past the wait (a backup, a shell)
             return True
-        cur = cur.__cause__ or cur.__context__
     return False
+
+
+#: Postgres errors that abort a transaction to let another go on: serialization failure, deadlock
+_TRANSIENT_SQLSTATES = {"40001": "serialization failure", "40P01": "deadlock"}
+
+
+def transient_conflict(exc: BaseException) -> str | None:
+    """What Postgres aborted the request's transaction for, if it did so to resolve a conflict with
+    another transaction (a deadlock, a serialization failure): a retry can succeed."""
+    for cur in _causes(exc):
+        sqlstate = getattr(getattr(cur, "orig", None), "sqlstate", None) or getattr(cur, "sqlstate", None)
+        if sqlstate in _TRANSIENT_SQLSTATES:
+            return _TRANSIENT_SQLSTATES[sqlstate]
+    return None
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and the exceptions it was raised from or during, each once."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
 
 
 def unexpected_problem(request: Request, exc: Exception) -> JSONResponse:
@@ -159,9 +184,19 @@ def unexpected_problem(request: Request, exc: Exception) -> JSONResponse:
     middleware, so it is logged and counted like any answer, and the connection stays usable.
     Whatever the failure, the request's transaction was rolled back: a write that committed never
     raises afterwards (index updates after a commit log their failures). A database that cannot
-    be reached is answered 503 with Retry-After, like an unreachable Redis."""
+    be reached is answered 503 with Retry-After, like an unreachable Redis, and so is a transaction
+    the database aborted to break a deadlock or a serialization conflict."""
     if database_unavailable(exc):
         return unavailable(request, "the database", exc)
+    conflict = transient_conflict(exc)
+    if conflict is not None:
+        return retry_later(
+            request,
+            f"transaction aborted by the database ({conflict})",
+            exc,
+            f"the database aborted this request's transaction to resolve a {conflict} with another "
+            "one; the request changed nothing. Retry in a moment",
+        )
     log.error(
         "unhandled error",
         exc_info=exc,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -233,3 +234,48 @@ async def test_a_group_whose_connection_dies_answers_each_503_and_retries_land_o
     retried = [ok(await c()) for c in calls]
     assert [r["stored_trajectories"] for r in retried] == [1] * 4
     assert await db_rows(postgres_url, "SELECT count(*) FROM trajectory") == [(4,)]
+
+
+async def test_a_deadlock_inside_a_group_answers_its_ingest_503_and_the_others_commit(
+    served: tuple[FastAPI, httpx.AsyncClient], postgres_url: str, lock: RunLock
+) -> None:
+    """Another service process (played by a connection of the test) holds a request's
+    Idempotency-Key and waits for the run's row, which this process's group holds while that key's
+    twin waits for the key: Postgres breaks the deadlock by failing one statement. The ingest that
+    failed is answered 503 (retry), not 500, and the others of its group commit."""
+    app, client = served
+    q = await _qids(client, "p1")
+    path = "/v1/pools/p1/runs/r1/ingest"
+    hashed = hashlib.sha256(f"POST {path}\ntwin".encode()).hexdigest()
+    other = await asyncpg.connect(postgres_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await other.execute("BEGIN")
+        await other.execute(
+            "INSERT INTO idempotency_key (key, principal, route, request_hash, status_code, response, "
+            "created_at) VALUES ($1, 'admin', $2, '', 200, '{}', now())",
+            hashed,
+            f"POST {path}",
+        )
+        calls = [
+            _poster(client, "p1", {"groups": [group(q[0], [1, 0, 0, 0])]}, "first"),
+            _poster(client, "p1", {"groups": [group(q[1], [1, 0, 0, 0])]}, "kept"),
+            _poster(client, "p1", {"groups": [group(q[2], [1, 0, 0, 0])]}, "twin"),
+        ]
+        tasks = await _held_back(app, postgres_url, lock, calls)
+        await lock.release()
+        # the group of "kept" and "twin" holds the run's row; "twin" waits for its key
+        await _until(lambda: _waiters_nonempty(postgres_url), "the twin waits for its key")
+        await other.execute(
+            "SELECT run.id FROM run JOIN pool ON pool.id = run.pool_id "
+            "WHERE pool.name = 'p1' AND run.name = 'r1' FOR UPDATE OF run"
+        )
+        first, kept, twin = await asyncio.gather(*tasks)
+        await other.execute("ROLLBACK")
+    finally:
+        await other.close()
+    assert ok(first)["stored_trajectories"] == 1 and ok(kept)["stored_trajectories"] == 1
+    assert twin.status_code == 503 and twin.headers.get("retry-after") == "1", twin.text
+    assert "deadlock" in twin.json()["detail"]
+    assert ok(await calls[2]())["stored_trajectories"] == 1  # its retry, with the same key
+    rows = await db_rows(postgres_url, "SELECT question_id FROM trajectory ORDER BY question_id")
+    assert [r[0] for r in rows] == q[:3]
