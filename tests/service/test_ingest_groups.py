@@ -262,9 +262,22 @@ async def test_a_deadlock_inside_a_group_answers_its_ingest_503_and_the_others_c
             _poster(client, "p1", {"groups": [group(q[2], [1, 0, 0, 0])]}, "twin"),
         ]
         tasks = await _held_back(app, postgres_url, lock, calls)
-        await lock.release()
-        # the group of "kept" and "twin" holds the run's row; "twin" waits for its key
-        await _until(lambda: _waiters_nonempty(postgres_url), "the twin waits for its key")
+        watch = await asyncpg.connect(postgres_url.replace("postgresql+asyncpg://", "postgresql://"))
+        try:
+            await lock.release()
+            # the group of "kept" and "twin" holds the run's row; "twin" waits for its key. The
+            # cycle must close within deadlock_timeout (1 s) of that wait, when its backend looks
+            # for one: watched on a connection of its own, not by a new engine per look
+            waiting = (
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+            for _ in range(2000):
+                if await watch.fetchval(waiting):
+                    break
+                await asyncio.sleep(0.002)
+        finally:
+            await watch.close()
         await other.execute(
             "SELECT run.id FROM run JOIN pool ON pool.id = run.pool_id "
             "WHERE pool.name = 'p1' AND run.name = 'r1' FOR UPDATE OF run"
