@@ -155,17 +155,13 @@ def database_unavailable(exc: BaseException) -> bool:
     return False
 
 
-#: Postgres errors that abort a transaction to let another go on: serialization failure, deadlock
-_TRANSIENT_SQLSTATES = {"40001": "serialization failure", "40P01": "deadlock"}
-
-
 def transient_conflict(exc: BaseException) -> str | None:
     """What Postgres aborted the request's transaction for, if it did so to resolve a conflict with
     another transaction (a deadlock, a serialization failure): a retry can succeed."""
     for cur in _causes(exc):
         sqlstate = getattr(getattr(cur, "orig", None), "sqlstate", None) or getattr(cur, "sqlstate", None)
-        if sqlstate in _TRANSIENT_SQLSTATES:
-            return _TRANSIENT_SQLSTATES[sqlstate]
+        if sqlstate in dbmod.RETRY_SQLSTATES:
+            return dbmod.RETRY_SQLSTATES[sqlstate]
     return None
 
 

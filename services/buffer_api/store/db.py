@@ -44,8 +44,9 @@ SQLITE_CACHE_MB = 64
 #: Postgres: the tallies' rows are folded (`repo.fold_tallies`) after this many writes
 FOLD_TALLIES_EVERY = 64
 
-#: Postgres errors after which a transaction may simply run again: serialization failure, deadlock
-_RETRY_SQLSTATES = frozenset({"40001", "40P01"})
+#: Postgres errors after which a transaction may simply run again (the database aborted it to let
+#: another go on), by SQLSTATE
+RETRY_SQLSTATES = {"40001": "serialization failure", "40P01": "deadlock"}
 
 
 def _sqlite_pragmas(cache_mb: int, *, inline: bool = False) -> Callable[[DBAPIConnection, object], None]:
@@ -296,7 +297,7 @@ class Database:
                 async with AsyncSession(engine, expire_on_commit=False) as session, session.begin():
                     return await check(session)
             except DBAPIError as exc:
-                if attempt == attempts or getattr(exc.orig, "sqlstate", None) not in _RETRY_SQLSTATES:
+                if attempt == attempts or getattr(exc.orig, "sqlstate", None) not in RETRY_SQLSTATES:
                     raise
                 log.info("the tally recount met a concurrent fold; counting again (%d)", attempt)
         raise AssertionError("unreachable")
