@@ -55,6 +55,10 @@ class RunLock:
         )
         return self
 
+    async def pid(self) -> int:
+        assert self.conn is not None
+        return int(await self.conn.fetchval("SELECT pg_backend_pid()"))
+
     async def release(self) -> None:
         if self.conn is not None and not self.conn.is_closed():
             await self.conn.execute("COMMIT")
@@ -143,6 +147,19 @@ async def _waiters_nonempty(url: str) -> bool:
     return bool(await _lock_waiters(url))
 
 
+async def _blocked_by(url: str, pid: int) -> set[int]:
+    """The backends that wait for a lock `pid` holds."""
+    rows = await db_rows(
+        url, f"SELECT pid FROM pg_stat_activity WHERE {int(pid)} = ANY(pg_blocking_pids(pid))"
+    )
+    return {int(r[0]) for r in rows}
+
+
+async def _terminate(url: str, pids: set[int]) -> None:
+    assert pids, "nothing to cut"
+    await db_execute(url, f"SELECT pg_terminate_backend(pid) FROM unnest(ARRAY{sorted(pids)}) AS pid")
+
+
 def _poster(client: httpx.AsyncClient, pool: str, body: dict[str, Any], key: str | None) -> Any:
     headers = {"Idempotency-Key": key} if key is not None else {}
     return lambda: client.post(f"/v1/pools/{pool}/runs/r1/ingest", json=body, headers=headers)
@@ -219,14 +236,16 @@ async def test_a_group_whose_connection_dies_answers_each_503_and_retries_land_o
     bodies = [{"groups": [group(q[i], [1, 0, 0, 0])]} for i in range(4)]
     calls = [_poster(client, "p1", b, f"cut{i}") for i, b in enumerate(bodies)]
     tasks = await _held_back(app, postgres_url, lock, calls)
-    kill = (
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-        "WHERE wait_event_type = 'Lock' AND datname = current_database()"
-    )
-    await db_execute(postgres_url, kill)  # the first, alone
+    holder = await lock.pid()
+    first = await _blocked_by(postgres_url, holder)
+    await _terminate(postgres_url, first)  # the first ingest, alone
     await _until(lambda: _waiting(app) == 0, "the other three are taken together")
-    await _until(lambda: _waiters_nonempty(postgres_url), "their transaction waits for the lock")
-    await db_execute(postgres_url, kill)
+
+    async def others() -> set[int]:
+        return await _blocked_by(postgres_url, holder) - first  # not the first, still exiting
+
+    await _until(others, "their transaction waits for the lock")
+    await _terminate(postgres_url, await others())
     answers = await asyncio.gather(*tasks)
     assert [r.status_code for r in answers] == [503] * 4, [r.text for r in answers]
     await lock.release()
@@ -247,8 +266,12 @@ async def test_a_deadlock_inside_a_group_answers_its_ingest_503_and_the_others_c
     q = await _qids(client, "p1")
     path = "/v1/pools/p1/runs/r1/ingest"
     hashed = hashlib.sha256(f"POST {path}\ntwin".encode()).hexdigest()
-    other = await asyncpg.connect(postgres_url.replace("postgresql+asyncpg://", "postgresql://"))
+    dsn = postgres_url.replace("postgresql+asyncpg://", "postgresql://")
+    other, watch = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
     try:
+        # the other process never looks for the deadlock first: the twin's backend does, 1 s
+        # (deadlock_timeout) after it began to wait, and the cycle is closed by then
+        await other.execute("SET deadlock_timeout = '60s'")
         await other.execute("BEGIN")
         await other.execute(
             "INSERT INTO idempotency_key (key, principal, route, request_hash, status_code, response, "
@@ -262,30 +285,26 @@ async def test_a_deadlock_inside_a_group_answers_its_ingest_503_and_the_others_c
             _poster(client, "p1", {"groups": [group(q[2], [1, 0, 0, 0])]}, "twin"),
         ]
         tasks = await _held_back(app, postgres_url, lock, calls)
-        watch = await asyncpg.connect(postgres_url.replace("postgresql+asyncpg://", "postgresql://"))
-        try:
-            await lock.release()
-            # the group of "kept" and "twin" holds the run's row; "twin" waits for its key. The
-            # cycle must close within deadlock_timeout (1 s) of that wait, when its backend looks
-            # for one: watched on a connection of its own, not by a new engine per look
-            waiting = (
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
-            )
-            for _ in range(2000):
-                if await watch.fetchval(waiting):
-                    break
-                await asyncio.sleep(0.002)
-        finally:
-            await watch.close()
+        await lock.release()
+        # "kept" and "twin" share the next transaction, which holds the run's row while "twin"
+        # waits for its key, that is for the other process (the only backend it can block)
+        blocked = "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))"
+        other_pid = await other.fetchval("SELECT pg_backend_pid()")
+        for _ in range(5000):
+            if await watch.fetchval(blocked, other_pid):
+                break
+            await asyncio.sleep(0.002)
+        else:
+            raise AssertionError("the twin never waited for its key")
         await other.execute(
             "SELECT run.id FROM run JOIN pool ON pool.id = run.pool_id "
             "WHERE pool.name = 'p1' AND run.name = 'r1' FOR UPDATE OF run"
         )
-        first, kept, twin = await asyncio.gather(*tasks)
+        first, kept, twin = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         await other.execute("ROLLBACK")
     finally:
         await other.close()
+        await watch.close()
     assert ok(first)["stored_trajectories"] == 1 and ok(kept)["stored_trajectories"] == 1
     assert twin.status_code == 503 and twin.headers.get("retry-after") == "1", twin.text
     assert "deadlock" in twin.json()["detail"]
