@@ -224,3 +224,16 @@ async def test_blocks_waiting_when_the_writer_task_is_cancelled_are_cancelled_to
     results = await asyncio.gather(first, *rest, return_exceptions=True)
     assert all(isinstance(r, BaseException) for r in results), results
     assert await _stored(probe_url) == {} and not db._groups
+
+
+async def test_closing_waits_for_a_group_still_ending(probe_url: str) -> None:
+    """A block that raised returns before its transaction has rolled back; closing the database
+    right then waits for that, so no connection is left checked out when the engine goes."""
+    await db_execute(probe_url, "TRUNCATE probe")
+    db = Database(probe_url, group_max=8)
+    try:
+        with pytest.raises(ValueError):
+            await Blocks(db).block(7, fail=True)
+    finally:
+        await db.close()
+    assert not db._groups  # the group's task ended before the engine was disposed

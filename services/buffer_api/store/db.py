@@ -303,9 +303,12 @@ class Database:
         raise AssertionError("unreachable")
 
     async def settle(self) -> None:
-        """Wait for the background checkpoint or fold, if one is running (tests, shutdown)."""
-        for task in (self._checkpoint, self._fold):
-            if task is not None:
+        """Wait for the background checkpoint or fold, if one is running, and for the grouped
+        transactions still open: a block that raised has returned before its group's transaction
+        ended (tests, shutdown)."""
+        leaders = [q.leader for q in list(self._groups.values())]
+        for task in (self._checkpoint, self._fold, *leaders):
+            if task is not None and not task.done():
                 await asyncio.shield(task)
 
     @contextlib.asynccontextmanager
