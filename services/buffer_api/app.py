@@ -159,7 +159,8 @@ def transient_conflict(exc: BaseException) -> str | None:
     """What Postgres aborted the request's transaction for, if it did so to resolve a conflict with
     another transaction (a deadlock, a serialization failure): a retry can succeed."""
     for cur in _causes(exc):
-        sqlstate = getattr(getattr(cur, "orig", None), "sqlstate", None) or getattr(cur, "sqlstate", None)
+        # SQLAlchemy's error is raised from the driver's, which carries the SQLSTATE
+        sqlstate = getattr(cur, "sqlstate", None)
         if sqlstate in dbmod.RETRY_SQLSTATES:
             return dbmod.RETRY_SQLSTATES[sqlstate]
     return None

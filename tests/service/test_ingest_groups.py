@@ -68,14 +68,6 @@ class RunLock:
         await self.release()
 
 
-async def _lock_waiters(url: str) -> list[int]:
-    rows = await db_rows(
-        url,
-        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-    )
-    return [int(r[0]) for r in rows]
-
-
 async def _until(check: Callable[[], Awaitable[bool] | bool], what: str) -> None:
     for _ in range(1000):
         done = check()
@@ -136,15 +128,12 @@ async def _held_back(
     """With the run's lock held: the first call blocked on it, the others waiting to be written
     together."""
     assert lock.conn is not None and not lock.conn.is_closed()
+    holder = await lock.pid()
     first = asyncio.create_task(calls[0]())
-    await _until(lambda: _waiters_nonempty(url), "the first ingest waits for the run's lock")
+    await _until(lambda: _blocked_by(url, holder), "the first ingest waits for the run's lock")
     rest = [asyncio.create_task(c()) for c in calls[1:]]
     await _until(lambda: _waiting(app) == len(rest), f"{len(rest)} ingests wait")
     return [first, *rest]
-
-
-async def _waiters_nonempty(url: str) -> bool:
-    return bool(await _lock_waiters(url))
 
 
 async def _blocked_by(url: str, pid: int) -> set[int]:
