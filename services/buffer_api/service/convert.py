@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -282,6 +283,14 @@ def trajectory_public(
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _json_stamp(at: datetime, tz: Any) -> Any:
+    """A timestamp as JSON text, once per distinct value (the trajectories of one commit share
+    theirs); `tz` (the value's own zone) is part of the key: equal instants in two zones are
+    equal datetimes, written differently."""
+    return to_jsonable_python(at.replace(tzinfo=tz))
+
+
 def trajectory_body(t: Row[Any], run_names: dict[int, str]) -> dict[str, Any]:
     """A stored trajectory of an `Answer` (what `trajectory_public` answers, as JSON values; its
     payload goes beside it)."""
@@ -294,7 +303,7 @@ def trajectory_body(t: Row[Any], run_names: dict[int, str]) -> dict[str, Any]:
         "reward": t.reward,
         "entropy": t.entropy,
         "num_tokens": t.num_tokens,
-        "created_at": to_jsonable_python(t.created_at),
+        "created_at": _json_stamp(t.created_at, t.created_at.tzinfo),
         "text": None,
     }
 

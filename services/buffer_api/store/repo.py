@@ -119,6 +119,24 @@ def _result_processor(conn: AsyncConnection, column: Any) -> Callable[[Any], Any
     return processor
 
 
+def _bound(
+    conn: AsyncConnection, table: Any, names: Sequence[str]
+) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """A row's values (in the order of `names`) as SQLAlchemy would bind them to its columns (a
+    timestamp as SQLite's text, a JSON value as its text), for a driver statement."""
+    dialect = conn.dialect
+    found = [table.c[n].type.dialect_impl(dialect).bind_processor(dialect) for n in names]
+    procs = [(i, p) for i, p in enumerate(found) if p is not None]
+
+    def bind(values: Sequence[Any]) -> tuple[Any, ...]:
+        out = list(values)
+        for i, p in procs:
+            out[i] = p(out[i])
+        return tuple(out)
+
+    return bind
+
+
 # -------------------------------------------------------------- plain rows of the hot path
 def _columns(table: Any, cls: Any) -> list[Any]:
     """The table's columns of a row dataclass's fields, in the dataclass's order."""
@@ -128,7 +146,9 @@ def _columns(table: Any, cls: Any) -> list[Any]:
 _pool_t, _run_t, _lease_t, _batch_t = (cast(Table, m.__table__) for m in (Pool, Run, RunLease, Batch))
 #: (statements on the hot path name table columns, not mapped attributes: a statement with a
 #: mapped attribute in it is compiled and its result read through the ORM)
-_question_t, _traj_t = (cast(Table, m.__table__) for m in (Question, Trajectory))
+_question_t, _traj_t, _run_question_t = (
+    cast(Table, m.__table__) for m in (Question, Trajectory, RunQuestion)
+)
 _POOL_COLS = _columns(_pool_t, PoolRow)
 _RUN_COLS = _columns(_run_t, RunRow)
 _LEASE_COLS = _columns(_lease_t, LeaseRow)
@@ -595,9 +615,13 @@ async def upsert_decided_states(session: AsyncSession, rows: list[dict[str, Any]
         columns = tuple([r[c] for r in rows] for c in _STATE_ARRAY_TYPES)
         await conn.exec_driver_sql(_STATES_UPSERT_PG, columns)
         return
-    stmt = _decided_states_upsert(_dialect(session))
-    for chunk in _chunks(rows, 1000):
-        await session.execute(stmt, list(chunk))
+    # otherwise (SQLite; a question twice on Postgres, which one INSERT cannot upsert twice) one
+    # prepared statement run for every row in their order, a later row of a question upserting
+    # over an earlier one
+    bind = _bound(conn, _run_question_t, list(_STATE_ARRAY_TYPES))
+    get = itemgetter(*_STATE_ARRAY_TYPES)
+    sql = _STATES_UPSERT_ROW_PG if conn.dialect.name == "postgresql" else _STATES_UPSERT_SQLITE
+    await conn.exec_driver_sql(sql, [bind(get(r)) for r in rows])
 
 
 #: the columns of a decided state row, with their Postgres array types
@@ -612,39 +636,27 @@ _STATE_ARRAY_TYPES = {
     "last_run_id": "bigint",
     "updated_at": "timestamptz",
 }
-_STATES_UPSERT_PG = (
-    f"INSERT INTO run_question ({', '.join(_STATE_ARRAY_TYPES)}) "
-    f"SELECT * FROM unnest({_unnest(_STATE_ARRAY_TYPES.values())}) "
+#: a decided state over the stored one: a retired question stays retired and has no bucket, a
+#: state without a bucket keeps the stored one
+_STATES_CONFLICT = (
     "ON CONFLICT (scope, question_id) DO UPDATE SET last_k = excluded.last_k, "
     "last_step = excluded.last_step, last_run_id = excluded.last_run_id, updated_at = excluded.updated_at, "
     "bucket = CASE WHEN excluded.retired THEN NULL WHEN excluded.bucket IS NULL THEN run_question.bucket "
     "WHEN run_question.retired THEN NULL ELSE excluded.bucket END, "
     "retired = run_question.retired OR excluded.retired"
 )
-
-
-@functools.cache
-def _decided_states_upsert(dialect: str) -> Any:
-    """The statement of `upsert_decided_states`, built once per dialect (every commit and ingest
-    runs it; building its ON CONFLICT clause took ~0.5 ms of Python each time)."""
-    ins = _insert_for(dialect, RunQuestion.__table__)
-    ex, cur = ins.excluded, RunQuestion.__table__.c
-    return ins.on_conflict_do_update(
-        index_elements=["scope", "question_id"],
-        set_={
-            "last_k": ex.last_k,
-            "last_step": ex.last_step,
-            "last_run_id": ex.last_run_id,
-            "updated_at": ex.updated_at,
-            "bucket": case(
-                (ex.retired, None),
-                (ex.bucket.is_(None), cur.bucket),
-                (cur.retired, None),
-                else_=ex.bucket,
-            ),
-            "retired": or_(cur.retired, ex.retired),
-        },
-    )
+_STATES_UPSERT_PG = (
+    f"INSERT INTO run_question ({', '.join(_STATE_ARRAY_TYPES)}) "
+    f"SELECT * FROM unnest({_unnest(_STATE_ARRAY_TYPES.values())}) {_STATES_CONFLICT}"
+)
+_STATES_UPSERT_SQLITE = (
+    f"INSERT INTO run_question ({', '.join(_STATE_ARRAY_TYPES)}) "
+    f"VALUES ({', '.join('?' * len(_STATE_ARRAY_TYPES))}) {_STATES_CONFLICT}"
+)
+_STATES_UPSERT_ROW_PG = (
+    f"INSERT INTO run_question ({', '.join(_STATE_ARRAY_TYPES)}) "
+    f"VALUES ({', '.join(f'${i + 1}' for i in range(len(_STATE_ARRAY_TYPES)))}) {_STATES_CONFLICT}"
+)
 
 
 async def bucket_members(session: AsyncSession, scope: int) -> dict[int, list[int]]:
@@ -817,6 +829,7 @@ async def trajectories_by_id(
     return out
 
 
+@functools.lru_cache(maxsize=4096)  # once per distinct value: a commit's trajectories share theirs
 def _sqlite_stamp(value: str | None) -> datetime | None:
     """A SQLite timestamp column's text as SQLAlchemy reads it into `UTCDateTime`, at C speed
     (SQLAlchemy's own processor matches a regular expression per value: half of a 400-row read)."""
@@ -851,11 +864,14 @@ async def _trajectory_rows(session: AsyncSession, names: list[str], where: str, 
 
 async def delete_trajectories(session: AsyncSession, scope: int, qids: Sequence[int]) -> int:
     """Remove the trajectories of questions in one scope (retired questions are never replayed)."""
+    conn = await session.connection()
     removed = 0
     for chunk in _chunks(sorted(set(qids))):
-        t = _traj_t.c
-        stmt = delete(_traj_t).where(t.scope == scope, t.question_id.in_(chunk)).returning(t.id)
-        removed += len((await session.execute(stmt)).all())
+        q = _Sql(conn)
+        sql = (
+            f"DELETE FROM trajectory WHERE scope = {q.arg(scope)} AND question_id {q.ids(chunk)} RETURNING id"
+        )
+        removed += len(await _driver_rows(conn, sql, q))
     return removed
 
 
@@ -1231,8 +1247,16 @@ async def get_idempotent(session: AsyncSession, key: str, principal: str) -> Ide
 
 
 async def record_idempotent(session: AsyncSession, values: dict[str, Any]) -> None:
-    """Record a new key (an IntegrityError if it is recorded already)."""
-    await session.execute(_idem_t.insert().values(values))
+    """Record a new key (an IntegrityError if it is recorded already): every column of the table
+    in `values`, written by a driver statement (a Core INSERT of a new values clause was built and
+    looked up in the statement cache on every request)."""
+    conn = await session.connection()
+    q = _Sql(conn)
+    names = [c.name for c in _idem_t.c]
+    bind = _bound(conn, _idem_t, names)
+    marks = ", ".join(q.arg(v) for v in bind([values[n] for n in names]))
+    quoted = ", ".join(conn.dialect.identifier_preparer.quote(n) for n in names)  # "key" on SQLite
+    await conn.exec_driver_sql(f"INSERT INTO idempotency_key ({quoted}) VALUES ({marks})", tuple(q.args))
 
 
 async def complete_idempotent(
