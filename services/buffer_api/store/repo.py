@@ -123,15 +123,26 @@ def _bound(
     conn: AsyncConnection, table: Any, names: Sequence[str]
 ) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
     """A row's values (in the order of `names`) as SQLAlchemy would bind them to its columns (a
-    timestamp as SQLite's text, a JSON value as its text), for a driver statement."""
+    timestamp as SQLite's text, a JSON value as its text), for a driver statement. A timestamp is
+    converted once per distinct value (the rows of one request share theirs)."""
     dialect = conn.dialect
     found = [table.c[n].type.dialect_impl(dialect).bind_processor(dialect) for n in names]
     procs = [(i, p) for i, p in enumerate(found) if p is not None]
+    stamps: dict[tuple[datetime, Any], Any] = {}
 
     def bind(values: Sequence[Any]) -> tuple[Any, ...]:
         out = list(values)
         for i, p in procs:
-            out[i] = p(out[i])
+            v = out[i]
+            if type(v) is datetime:
+                # keyed with its zone: equal instants in two zones are equal datetimes
+                key = (v, v.tzinfo)
+                text = stamps.get(key)
+                if text is None:
+                    text = stamps[key] = p(v)
+                out[i] = text
+            else:
+                out[i] = p(v)
         return tuple(out)
 
     return bind
