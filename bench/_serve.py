@@ -74,6 +74,24 @@ def _install_sql_timer() -> None:
     event.listen(Engine, "after_cursor_execute", after)
     event.listen(Engine, "handle_error", failed)
 
+    # the hot path's SQLite reads that go to `sqlite3` directly, not through SQLAlchemy's execution
+    from exgrpo_pool.store import sqlite_inline
+
+    fetch_all = getattr(sqlite_inline, "fetch_all", None)
+    if fetch_all is not None:
+
+        async def timed_fetch_all(conn: Any, sql: str, parameters: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await fetch_all(conn, sql, parameters)
+            finally:
+                seconds = time.perf_counter() - t0
+                _add(0, seconds)
+                if log is not None:
+                    log.write(f"{seconds * 1000:.2f}\t{' '.join(sql.split())[:120]}\n")
+
+        sqlite_inline.fetch_all = timed_fetch_all
+
 
 def _install_gc_timer() -> None:
     """Garbage-collection pauses, counted to the request whose allocation set them off."""

@@ -1,14 +1,16 @@
-"""The hot path's writes through driver statements (`store/repo.py`): what they store, read back
-through the mapped classes, on both backends."""
+"""The hot path's driver statements (`store/repo.py`): what its writes store, read back through
+the mapped classes, on both backends; its reads on SQLite's inline driver, taken from `sqlite3`
+itself."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import insert, select, text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import event, insert, select, text
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.db import Database
@@ -127,5 +129,26 @@ async def test_an_idempotency_record_reads_back_and_a_second_one_of_its_key_is_r
         async with db.transaction() as session:
             rows = (await session.execute(select(IdempotencyKey.route))).scalars().all()
         assert rows == [values["route"]]
+    finally:
+        await db.close()
+
+
+async def test_inline_sqlite_reads_come_from_sqlite3_and_fail_with_sqlalchemys_errors(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}"
+    pool, qids = await _pool_and_questions(Backend("sqlite", url, None, "unused"))
+    db = Database(url, sqlite_inline=True)
+    assert db.hot_engine is not None
+    executed: list[str] = []
+    event.listen(db.hot_engine.sync_engine, "before_cursor_execute", lambda *a: executed.append(a[2]))
+    try:
+        async with db.hot_sessions() as hot, db.sessions() as thread:
+            got = await repo.question_prompts(hot, qids)
+            assert await repo.questions_in_pool(hot, pool, [*qids, 10**9]) == set(qids)
+            assert executed == [], "not through SQLAlchemy's execution"
+            assert got == await repo.question_prompts(thread, qids) and sorted(got) == qids
+            await (await thread.connection()).exec_driver_sql("ALTER TABLE run_question RENAME TO gone")
+            await thread.commit()
+            with pytest.raises(OperationalError, match="no such table: run_question"):
+                await repo.get_states(hot, 1, qids)
     finally:
         await db.close()

@@ -5,12 +5,15 @@ and the 404 of a pool or run that does not exist."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import sqlite3
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
 import httpx
 from sqlalchemy import Engine, event
+
+from exgrpo_pool.store import sqlite_inline
 
 from .factories import B, commit_batch, correct_first, make_groups, ok, plan_batch, setup_pool
 from .harness import Backend, db_rows, serve
@@ -81,18 +84,27 @@ async def test_a_missing_pool_run_or_batch_is_a_404_on_the_hot_paths(client: htt
 
 @contextlib.contextmanager
 def _statements() -> Iterator[list[str]]:
-    """The SQL statements every engine of this process runs meanwhile for requests: not the
-    WAL checkpoints a SQLite file gets in the background after each write."""
+    """The SQL statements every engine of this process runs meanwhile for requests, and the reads
+    the hot path sends to `sqlite3` directly: not the WAL checkpoints a SQLite file gets in the
+    background after each write."""
     seen: list[str] = []
 
     def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         if not statement.startswith("PRAGMA wal_checkpoint"):
             seen.append(statement)
 
+    fetch_all = sqlite_inline.fetch_all
+
+    async def counted(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any]) -> list[Any]:
+        seen.append(sql)
+        return await fetch_all(conn, sql, parameters)
+
     event.listen(Engine, "before_cursor_execute", count)
+    sqlite_inline.fetch_all = counted
     try:
         yield seen
     finally:
+        sqlite_inline.fetch_all = fetch_all
         event.remove(Engine, "before_cursor_execute", count)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sqlite3
 from collections import namedtuple
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
@@ -28,9 +29,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.sql.elements import BindParameter
 
+from exgrpo_pool.store import sqlite_inline
 from exgrpo_pool.store.models import (
     Batch,
     BatchRow,
@@ -109,7 +112,28 @@ class _Sql:
 
 
 async def _driver_rows(conn: AsyncConnection, sql: str, q: _Sql) -> Sequence[Any]:
-    return (await conn.exec_driver_sql(sql, tuple(q.args))).all()
+    """The rows of a driver statement, as tuples. On the hot path's SQLite connections (called
+    from the event loop, `sqlite_inline`) straight from `sqlite3`: through SQLAlchemy a statement
+    cost ~0.1 ms more and a read of ~400 trajectories ~0.8 ms more (its execution context, the
+    greenlet hops, a Row per row), 5-8% of a plan's or a selection's CPU. Its errors are
+    SQLAlchemy's all the same."""
+    inline = _inline_sqlite(conn)
+    if inline is None:
+        return (await conn.exec_driver_sql(sql, tuple(q.args))).all()
+    try:
+        return await sqlite_inline.fetch_all(inline, sql, q.args)
+    except sqlite3.Error as e:
+        raise DBAPIError.instance(sql, q.args, e, sqlite3.Error) from e
+
+
+def _inline_sqlite(conn: AsyncConnection) -> sqlite3.Connection | None:
+    """The `sqlite3` connection under a connection of the inline SQLite driver (None: another
+    driver). The connection is checked out already: reading it does no I/O."""
+    sync = conn.sync_connection
+    if sync is None or conn.dialect.name != "sqlite":
+        return None
+    driver = sync.connection.driver_connection
+    return driver.live() if isinstance(driver, sqlite_inline.InlineConnection) else None
 
 
 def _result_processor(conn: AsyncConnection, column: Any) -> Callable[[Any], Any] | None:

@@ -58,6 +58,17 @@ async def _retrying(call: Callable[[], object]) -> None:
         pause = min(pause * 2, 0.05)
 
 
+async def fetch_all(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any]) -> list[Any]:
+    """The rows of one statement run on `conn` directly (retried as a cursor's statement is), as
+    the tuples `sqlite3` gives."""
+    cursor = conn.cursor()
+    try:
+        await _retrying(lambda: cursor.execute(sql, parameters))
+        return cursor.fetchall()
+    finally:
+        cursor.close()
+
+
 class InlineCursor:
     """The subset of aiosqlite's cursor that SQLAlchemy's adapter uses."""
 
@@ -125,6 +136,10 @@ class InlineConnection:
     def _connection(self) -> sqlite3.Connection | None:
         # SQLAlchemy's adapter skips COMMIT and ROLLBACK on a connection already closed
         return self._conn
+
+    def live(self) -> sqlite3.Connection:
+        """The open `sqlite3` connection (ProgrammingError once closed)."""
+        return self._live()
 
     def _live(self) -> sqlite3.Connection:
         if self._conn is None:
