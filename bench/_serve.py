@@ -75,8 +75,11 @@ def _install_sql_timer() -> None:
     event.listen(Engine, "handle_error", failed)
 
     # the hot path's SQLite reads that go to `sqlite3` directly, not through SQLAlchemy's execution
-    from exgrpo_pool.store import sqlite_inline
-
+    # (an older service, `--service-src`, may have neither the module nor the function)
+    try:
+        from exgrpo_pool.store import sqlite_inline
+    except ImportError:
+        return
     fetch_all = getattr(sqlite_inline, "fetch_all", None)
     if fetch_all is not None:
 
