@@ -50,6 +50,8 @@ class Blocks:
         self.db = db
         self.key = key
         self.gate = asyncio.Event()
+        #: a holding block has written and waits at the gate (its connection is idle)
+        self.holding = asyncio.Event()
         self.entered: list[int] = []
 
     async def block(
@@ -59,6 +61,7 @@ class Blocks:
             self.entered.append(i)
             txid = await _write(session, i)
             if hold:
+                self.holding.set()
                 await self.gate.wait()
             if until is not None:
                 await until.wait()
@@ -84,9 +87,12 @@ class Blocks:
         return list(await asyncio.gather(first, *rest))
 
     async def first_holding(self) -> asyncio.Task[int]:
+        """A block that holds its transaction open, once its statements are done: a test that
+        cancels the transaction's task must not do it while a statement of the block is still
+        running on the connection (under load that left the connection checked out and its
+        transaction open, and the next test's TRUNCATE waited for it)."""
         task = asyncio.create_task(self.block(0, hold=True))
-        while not self.entered:
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(self.holding.wait(), 30)
         return task
 
 
