@@ -814,12 +814,10 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
     if conn.dialect.name == "postgresql":
         columns = tuple([r[c] for r in rows] for c in _TRAJECTORY_COLUMNS)
         return int((await conn.exec_driver_sql(_TRAJECTORIES_INSERT_PG, columns)).scalar_one())
-    get = itemgetter(*_TRAJECTORY_COLUMNS[:-1])
-    # the timestamps in the text form SQLAlchemy gives the column (every other value binds as is)
-    dialect = conn.dialect
-    stamp = Trajectory.__table__.c.created_at.type.dialect_impl(dialect).bind_processor(dialect)
-    text = {at: at if stamp is None else stamp(at) for at in {r["created_at"] for r in rows}}
-    values = [(*get(r), text[r["created_at"]]) for r in rows]
+    # bound as SQLAlchemy binds the columns (the timestamps in their text form, once each)
+    bind = _bound(conn, _traj_t, _TRAJECTORY_COLUMNS)
+    get = itemgetter(*_TRAJECTORY_COLUMNS)
+    values = [bind(get(r)) for r in rows]
     # the driver sums the rows each parameter set inserted (a conflict inserts none)
     return int((await conn.exec_driver_sql(_TRAJECTORY_INSERT_SQLITE, values)).rowcount)
 
