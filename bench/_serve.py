@@ -74,26 +74,30 @@ def _install_sql_timer() -> None:
     event.listen(Engine, "after_cursor_execute", after)
     event.listen(Engine, "handle_error", failed)
 
-    # the hot path's SQLite reads that go to `sqlite3` directly, not through SQLAlchemy's execution
+    # the hot path's SQLite statements that go to `sqlite3` directly, not through SQLAlchemy's execution
     # (an older service, `--service-src`, may have neither the module nor the function)
     try:
         from exgrpo_pool.store import sqlite_inline
     except ImportError:
         return
-    fetch_all = getattr(sqlite_inline, "fetch_all", None)
-    if fetch_all is not None:
 
-        async def timed_fetch_all(conn: Any, sql: str, parameters: Any) -> Any:
+    def timed(run: Any) -> Any:
+        async def call(conn: Any, sql: str, parameters: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return await fetch_all(conn, sql, parameters)
+                return await run(conn, sql, parameters, **kw)
             finally:
                 seconds = time.perf_counter() - t0
                 _add(0, seconds)
                 if log is not None:
                     log.write(f"{seconds * 1000:.2f}\t{' '.join(sql.split())[:120]}\n")
 
-        sqlite_inline.fetch_all = timed_fetch_all
+        return call
+
+    for name in ("fetch_all", "execute"):  # the reads, and the writes
+        run = getattr(sqlite_inline, name, None)
+        if run is not None:
+            setattr(sqlite_inline, name, timed(run))
 
 
 def _install_gc_timer() -> None:

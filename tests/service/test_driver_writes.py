@@ -152,3 +152,85 @@ async def test_inline_sqlite_reads_come_from_sqlite3_and_fail_with_sqlalchemys_e
                 await repo.get_states(hot, 1, qids)
     finally:
         await db.close()
+
+
+async def _raw(db: Database, sql: str) -> list[tuple[Any, ...]]:
+    async with db.sessions() as session:
+        return [tuple(r) for r in (await (await session.connection()).exec_driver_sql(sql)).all()]
+
+
+async def test_inline_sqlite_core_statements_read_and_write_what_sqlalchemy_does(tmp_path: Path) -> None:
+    """The hot path's Core statements, compiled once and run on `sqlite3` by the inline driver:
+    each read gives the values SQLAlchemy gives, and each write stores the same text, written
+    once through either (two runs and their batches alike but for their names)."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}"
+    async with serve_app(Backend("sqlite", url, None, "unused").settings(), ADMIN_TOKEN) as (_app, client):
+        await setup_pool(client, questions=4, runs=("r1", "r2"))
+        for run in ("r1", "r2"):
+            r = await client.put(f"/v1/pools/p1/runs/{run}/lease", json={"holder": "t", "ttl_s": 600})
+            assert r.status_code == 200, r.text
+    db = Database(url, sqlite_inline=True)
+    assert db.hot_engine is not None
+    executed: list[str] = []
+    event.listen(db.hot_engine.sync_engine, "before_cursor_execute", lambda *a: executed.append(a[2]))
+    try:
+        ids: dict[str, int] = {}
+        for name, sessions in (("r1", db.hot_sessions), ("r2", db.sessions)):
+            async with sessions() as session, session.begin():
+                found = await repo.run_rows(session, "p1", name, lock=True, lease=True)
+                assert found is not None and found[2] is not None
+                ids[name] = run_id = found[1].id
+                await repo.update_run(session, run_id, {"epoch": 3, "cursor": 7, "updated_at": AT})
+                await repo.extend_lease(session, run_id, AT + timedelta(hours=1))
+                batch = repo.BatchRow(
+                    f"b-{name}", run_id, 4, "planned", "mixed", 2, {"fresh": [1, 2], "x": None}, None, AT
+                )
+                await repo.insert_batch(session, batch)
+                await repo.update_batch(session, batch.id, {"result": {"n": 1.5}, "committed_at": AT})
+                await repo.merge_run_metrics(session, run_id, 4, {"loss": 0.25})
+                await repo.merge_run_metrics(session, run_id, 4, {"reward": 0.5})
+                await repo.record_idempotent(
+                    session,
+                    {
+                        "key": name,
+                        "principal": "p",
+                        "route": "r",
+                        "request_hash": "",
+                        "status_code": 201,
+                        "response": None,
+                        "created_at": AT,
+                    },
+                )
+                await repo.complete_idempotent(session, name, "p", {"ok": [1, None]}, "h")
+        assert executed == [], "the inline driver's statements do not pass through SQLAlchemy"
+        stored = {
+            "run": "SELECT epoch, cursor, updated_at, step, phase FROM run WHERE id = {}",
+            "run_lease": "SELECT holder, expires_at, generation FROM run_lease WHERE run_id = {}",
+            "batch": "SELECT step, status, phase, policy_version, plan, result, created_at, committed_at "
+            "FROM batch WHERE run_id = {}",
+            "run_metric": "SELECT step, metrics, length(updated_at) FROM run_metric WHERE run_id = {}",
+        }
+        for table, sql in stored.items():
+            hot, thread = [await _raw(db, sql.format(ids[n])) for n in ("r1", "r2")]
+            assert hot == thread and hot, (table, hot, thread)
+        keys = await _raw(db, "SELECT status_code, response, request_hash, created_at FROM idempotency_key")
+        assert keys == [(201, '{"ok": [1, null]}', "h", str(AT.replace(tzinfo=None)))] * 2
+        # and read back: each read through the inline driver gives what SQLAlchemy's gives
+        for lock in (False, True):
+            async with db.hot_sessions() as hot, db.sessions() as thread:
+                for name in ("r1", "r2"):
+                    got = [await repo.run_rows(s, "p1", name, lock=lock, lease=True) for s in (hot, thread)]
+                    assert got[0] == got[1] and got[0] is not None
+                    got_b = [await repo.batch_rows(s, "p1", f"b-{name}", lock=lock) for s in (hot, thread)]
+                    assert got_b[0] == got_b[1] and got_b[0] is not None
+                    assert got_b[0][2].plan == {"fresh": [1, 2], "x": None}
+                    assert got_b[0][2].created_at == AT and got_b[0][1].updated_at == AT
+                    opened = [await repo.open_batch(s, ids[name], 4) for s in (hot, thread)]
+                    assert opened[0] == opened[1] == got_b[0][2]
+                    assert await repo.open_batch(hot, ids[name], 5) is None
+                    leases = [await repo.get_lease_row(s, ids[name]) for s in (hot, thread)]
+                    assert leases[0] == leases[1] and leases[0] is not None
+                    assert leases[0].expires_at == AT + timedelta(hours=1)
+        assert executed == []
+    finally:
+        await db.close()

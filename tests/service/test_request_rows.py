@@ -82,29 +82,45 @@ async def test_a_missing_pool_run_or_batch_is_a_404_on_the_hot_paths(client: htt
         assert r.status_code == 404 and detail in r.json()["detail"], (path, r.text)
 
 
+class _Seen(list[str]):
+    """Statements run, in order; `through_sqlalchemy`: those that went through SQLAlchemy's
+    execution (the rest went to `sqlite3` directly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.through_sqlalchemy: list[str] = []
+
+
 @contextlib.contextmanager
-def _statements() -> Iterator[list[str]]:
-    """The SQL statements every engine of this process runs meanwhile for requests, and the reads
-    the hot path sends to `sqlite3` directly: not the WAL checkpoints a SQLite file gets in the
+def _statements() -> Iterator[_Seen]:
+    """The SQL statements every engine of this process runs meanwhile for requests, and those the
+    hot path sends to `sqlite3` directly: not the WAL checkpoints a SQLite file gets in the
     background after each write."""
-    seen: list[str] = []
+    seen = _Seen()
 
     def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         if not statement.startswith("PRAGMA wal_checkpoint"):
             seen.append(statement)
+            seen.through_sqlalchemy.append(statement)
 
-    fetch_all = sqlite_inline.fetch_all
+    fetch_all, execute = sqlite_inline.fetch_all, sqlite_inline.execute
 
-    async def counted(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any]) -> list[Any]:
+    async def counted_fetch(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any]) -> list[Any]:
         seen.append(sql)
         return await fetch_all(conn, sql, parameters)
 
+    async def counted_execute(
+        conn: sqlite3.Connection, sql: str, parameters: Sequence[Any], *, many: bool = False
+    ) -> int:
+        seen.append(sql)
+        return await execute(conn, sql, parameters, many=many)
+
     event.listen(Engine, "before_cursor_execute", count)
-    sqlite_inline.fetch_all = counted
+    sqlite_inline.fetch_all, sqlite_inline.execute = counted_fetch, counted_execute
     try:
         yield seen
     finally:
-        sqlite_inline.fetch_all = fetch_all
+        sqlite_inline.fetch_all, sqlite_inline.execute = fetch_all, execute
         event.remove(Engine, "before_cursor_execute", count)
 
 
@@ -120,26 +136,30 @@ async def test_statements_per_request(backend: Backend) -> None:
             plan = await plan_batch(client)
             ok(await commit_batch(client, plan, make_groups(plan, half)))
         counts: dict[str, int] = {}
+        through_sqlalchemy: dict[str, list[str]] = {}
         key = {"Idempotency-Key": "k1"}
         with _statements() as seen:
             r = await client.post("/v1/pools/p1/runs/r1/batches", json={}, headers=key)
-        plan, counts["plan"] = ok(r, 201), len(seen)
+        plan, counts["plan"], through_sqlalchemy["plan"] = ok(r, 201), len(seen), seen.through_sqlalchemy
         assert plan["replay"]
         body = make_groups(plan, half)
         with _statements() as seen:
             ok(await commit_batch(client, plan, body, **key))
-        counts["commit"] = len(seen)
+        counts["commit"], through_sqlalchemy["commit"] = len(seen), seen.through_sqlalchemy
         with _statements() as seen:
             ok(await client.post("/v1/pools/p1/runs/r1/ingest", json=body, headers=key))
-        counts["ingest"] = len(seen)
+        counts["ingest"], through_sqlalchemy["ingest"] = len(seen), seen.through_sqlalchemy
         with _statements() as seen:
             assert ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 4}))["replay"]
-        counts["select"] = len(seen)
+        counts["select"], through_sqlalchemy["select"] = len(seen), seen.through_sqlalchemy
     # plan: key, run (+ lease), open batch, states, candidates, batch, run update, prompts, answer
     # commit: key, run (+ batch and lease), states, state upsert, trajectories, run update,
     # metrics, batch, answer; ingest: key, run (+ lease), questions, states, state upsert,
     # trajectories, answer; select: run, states, candidates, prompts
     assert counts == {"plan": 9 + pg, "commit": 9 + pg, "ingest": 7 + pg, "select": 4}, counts
+    if not pg:
+        # SQLite's inline driver runs every one of them on `sqlite3` itself
+        assert through_sqlalchemy == {name: [] for name in counts}, through_sqlalchemy
 
 
 async def test_pool_stats_read_every_run_in_the_same_statements(backend: Backend) -> None:

@@ -51,6 +51,7 @@ from exgrpo_pool.store.models import (
     RunRow,
     Task,
     Trajectory,
+    UTCDateTime,
     question_tally,
     state_tally,
     trajectory_tally,
@@ -172,6 +173,123 @@ def _bound(
     return bind
 
 
+async def _driver_write(conn: AsyncConnection, sql: str, args: Sequence[Any], *, many: bool = False) -> int:
+    """Run a driver statement that returns no rows (`many`: once per parameter set in `args`);
+    the rows it changed. On the hot path's SQLite connections straight on `sqlite3`, as
+    `_driver_rows` reads, with SQLAlchemy's errors all the same."""
+    inline = _inline_sqlite(conn)
+    if inline is None:
+        return int((await conn.exec_driver_sql(sql, list(args) if many else tuple(args))).rowcount)
+    try:
+        return await sqlite_inline.execute(inline, sql, args, many=many)
+    except sqlite3.Error as e:
+        raise DBAPIError.instance(sql, args, e, sqlite3.Error) from e
+
+
+class _Compiled(NamedTuple):
+    """A Core statement as the SQLite driver runs it: its text, its parameters' names in the
+    order of their marks, what SQLAlchemy does to each value it binds and to each column it
+    reads, and the values the statement carries itself (a literal, a LIMIT)."""
+
+    sql: str
+    names: tuple[str, ...]
+    binds: tuple[Callable[[Any], Any] | None, ...]
+    results: tuple[Callable[[Any], Any] | None, ...]
+    fixed: dict[str, Any]
+
+    def args(self, params: dict[str, Any]) -> list[Any]:
+        out = [params[n] if n in params else self.fixed[n] for n in self.names]
+        for i, p in enumerate(self.binds):
+            if p is not None:
+                out[i] = p(out[i])
+        return out
+
+    def rows(self, rows: list[Any]) -> list[Any]:
+        procs = [(i, p) for i, p in enumerate(self.results) if p is not None]
+        if not procs:
+            return rows
+        out = []
+        for row in rows:
+            values = list(row)
+            for i, p in procs:
+                values[i] = p(values[i])
+            out.append(values)
+        return out
+
+
+@functools.lru_cache(maxsize=256)  # keyed by the statement object: only statements built once
+def _compiled_sqlite(stmt: Any, dialect: Any, keys: tuple[str, ...] | None) -> _Compiled | None:
+    """`stmt` compiled once for a SQLite dialect (`keys`: the columns an INSERT or UPDATE sets,
+    given as parameters), or None where SQLAlchemy must run it: a Python-side default or
+    onupdate to compute, an expanding IN, a RETURNING."""
+    compiled = stmt.compile(dialect=dialect, column_keys=None if keys is None else list(keys))
+    if (
+        any(getattr(compiled, a, None) for a in ("insert_prefetch", "update_prefetch", "postfetch"))
+        or getattr(compiled, "effective_returning", None)
+        or "POSTCOMPILE" in compiled.string
+        or compiled.positiontup is None
+    ):
+        return None
+    names = tuple(compiled.positiontup)
+    params = [compiled.binds[n] for n in names]
+    results: list[Callable[[Any], Any] | None] = []
+    for col in getattr(stmt, "selected_columns", ()):
+        if isinstance(col.type, UTCDateTime):
+            results.append(_sqlite_stamp)
+        else:
+            results.append(col.type.dialect_impl(dialect).result_processor(dialect, None))
+    return _Compiled(
+        sql=compiled.string,
+        names=names,
+        binds=tuple(b.type.dialect_impl(dialect).bind_processor(dialect) for b in params),
+        results=tuple(results),
+        fixed={n: b.effective_value for n, b in zip(names, params, strict=True) if not b.required},
+    )
+
+
+async def _core_rows(session: AsyncSession, stmt: Any, params: dict[str, Any]) -> Sequence[Any]:
+    """The rows of a Core statement built once (cached), as tuples of the values SQLAlchemy
+    gives. On the hot path's SQLite connections compiled once and run on `sqlite3` (through
+    SQLAlchemy a small statement cost ~0.1-0.2 ms more: the session's execution, its context,
+    the greenlet hops, a Row per row); elsewhere through the session."""
+    conn = await session.connection()
+    inline = _inline_sqlite(conn)
+    compiled = None if inline is None else _compiled_sqlite(stmt, conn.dialect, None)
+    if inline is None or compiled is None:
+        return (await session.execute(stmt, params)).all()
+    args = compiled.args(params)
+    try:
+        rows = await sqlite_inline.fetch_all(inline, compiled.sql, args)
+    except sqlite3.Error as e:
+        raise DBAPIError.instance(compiled.sql, args, e, sqlite3.Error) from e
+    return compiled.rows(rows)
+
+
+async def _core_write(
+    session: AsyncSession, stmt: Any, params: dict[str, Any], keys: tuple[str, ...]
+) -> None:
+    """Run a Core INSERT or UPDATE built once (cached) that sets the columns `keys` from
+    `params` (its other parameters: its own bound names), as `_core_rows` runs a read."""
+    conn = await session.connection()
+    inline = _inline_sqlite(conn)
+    compiled = None if inline is None else _compiled_sqlite(stmt, conn.dialect, keys)
+    if inline is None or compiled is None:
+        await session.execute(stmt, params)
+        return
+    args = compiled.args(params)
+    try:
+        await sqlite_inline.execute(inline, compiled.sql, args)
+    except sqlite3.Error as e:
+        raise DBAPIError.instance(compiled.sql, args, e, sqlite3.Error) from e
+
+
+@functools.cache
+def _update_by(table: Table, column: str) -> Any:
+    """UPDATE of `table` for the row whose `column` equals the parameter `where_<column>`; the
+    columns it sets are the other parameters' names."""
+    return update(table).where(table.c[column] == bindparam(f"where_{column}"))
+
+
 # -------------------------------------------------------------- plain rows of the hot path
 def _columns(table: Any, cls: Any) -> list[Any]:
     """The table's columns of a row dataclass's fields, in the dataclass's order."""
@@ -200,8 +318,8 @@ _LEASE_OF_RUN = select(*_LEASE_COLS).where(_lease_t.c.run_id == bindparam("run_i
 
 async def get_lease_row(session: AsyncSession, run_id: int) -> LeaseRow | None:
     """The run's lease as a plain row (callers hold the run's row lock)."""
-    row = (await session.execute(_LEASE_OF_RUN, {"run_id": run_id})).first()
-    return None if row is None else LeaseRow(*row)
+    rows = await _core_rows(session, _LEASE_OF_RUN, {"run_id": run_id})
+    return LeaseRow(*rows[0]) if rows else None
 
 
 @functools.cache
@@ -228,10 +346,10 @@ async def run_rows(
     would go unseen. (SQLite serialises writers before their first statement.)"""
     joined = lease and not (lock and _is_pg(session))
     stmt = _run_rows_stmt(joined, lock and _is_pg(session))
-    row = (await session.execute(stmt, {"pool_name": pool_name, "run_name": run_name})).first()
-    if row is None:
+    rows = await _core_rows(session, stmt, {"pool_name": pool_name, "run_name": run_name})
+    if not rows:
         return None
-    values = tuple(row)
+    values = tuple(rows[0])
     run = RunRow(*values[_NP : _NP + _NR])
     found = None
     if joined:
@@ -271,15 +389,15 @@ async def batch_rows(
     statement on Postgres, see `run_rows`): a concurrent commit of the batch that finished while
     this one waited is seen."""
     first, after = _batch_rows_stmts(lock, lock and _is_pg(session))
-    row = (await session.execute(first, {"pool_name": pool_name, "batch_id": batch_id})).first()
-    if row is None:
+    rows = await _core_rows(session, first, {"pool_name": pool_name, "batch_id": batch_id})
+    if not rows:
         return None
-    values = tuple(row)
+    values = tuple(rows[0])
     if after is not None:
-        more = (await session.execute(after, {"batch_id": batch_id})).first()
-        if more is None:
+        more = await _core_rows(session, after, {"batch_id": batch_id})
+        if not more:
             return None
-        values += tuple(more)
+        values += tuple(more[0])
     b = _NP + _NR
     lease = _lease_row(values[b + _NB :]) if lock else None
     return PoolRow(*values[:_NP]), RunRow(*values[_NP:b]), BatchRow(*values[b : b + _NB]), lease
@@ -290,19 +408,24 @@ async def pool_exists(session: AsyncSession, name: str) -> bool:
 
 
 async def update_run(session: AsyncSession, run_id: int, values: dict[str, Any]) -> None:
-    await session.execute(update(_run_t).where(_run_t.c.id == run_id).values(values))
+    await _core_write(session, _update_by(_run_t, "id"), {**values, "where_id": run_id}, tuple(values))
 
 
 async def update_batch(session: AsyncSession, batch_id: str, values: dict[str, Any]) -> None:
-    await session.execute(update(_batch_t).where(_batch_t.c.id == batch_id).values(values))
+    await _core_write(session, _update_by(_batch_t, "id"), {**values, "where_id": batch_id}, tuple(values))
+
+
+_BATCH_INSERT = _batch_t.insert()
+_BATCH_NAMES = tuple(c.name for c in _BATCH_COLS)
 
 
 async def insert_batch(session: AsyncSession, batch: BatchRow) -> None:
-    await session.execute(_batch_t.insert().values({c.name: getattr(batch, c.name) for c in _BATCH_COLS}))
+    await _core_write(session, _BATCH_INSERT, {n: getattr(batch, n) for n in _BATCH_NAMES}, _BATCH_NAMES)
 
 
 async def extend_lease(session: AsyncSession, run_id: int, expires_at: datetime) -> None:
-    await session.execute(update(_lease_t).where(_lease_t.c.run_id == run_id).values(expires_at=expires_at))
+    params = {"expires_at": expires_at, "where_run_id": run_id}
+    await _core_write(session, _update_by(_lease_t, "run_id"), params, ("expires_at",))
 
 
 # ------------------------------------------------------------------------------------ pools
@@ -656,7 +779,7 @@ async def upsert_decided_states(session: AsyncSession, rows: list[dict[str, Any]
     bind = _bound(conn, _run_question_t, list(_STATE_ARRAY_TYPES))
     get = itemgetter(*_STATE_ARRAY_TYPES)
     sql = _STATES_UPSERT_ROW_PG if conn.dialect.name == "postgresql" else _STATES_UPSERT_SQLITE
-    await conn.exec_driver_sql(sql, [bind(get(r)) for r in rows])
+    await _driver_write(conn, sql, [bind(get(r)) for r in rows], many=True)
 
 
 #: the columns of a decided state row, with their Postgres array types
@@ -819,7 +942,7 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
     get = itemgetter(*_TRAJECTORY_COLUMNS)
     values = [bind(get(r)) for r in rows]
     # the driver sums the rows each parameter set inserted (a conflict inserts none)
-    return int((await conn.exec_driver_sql(_TRAJECTORY_INSERT_SQLITE, values)).rowcount)
+    return await _driver_write(conn, _TRAJECTORY_INSERT_SQLITE, values, many=True)
 
 
 async def trajectories_of(
@@ -1049,11 +1172,17 @@ async def get_batch(session: AsyncSession, batch_id: str, *, lock: bool = False)
     return (await session.execute(stmt)).scalar_one_or_none()
 
 
+_OPEN_BATCH = (
+    select(*_BATCH_COLS)
+    .where(_batch_t.c.run_id == bindparam("run_id"), _batch_t.c.step == bindparam("step"))
+    .where(_batch_t.c.status == "planned")
+    .limit(1)
+)
+
+
 async def open_batch(session: AsyncSession, run_id: int, step: int) -> BatchRow | None:
-    c = _batch_t.c
-    stmt = select(*_BATCH_COLS).where(c.run_id == run_id, c.step == step, c.status == "planned").limit(1)
-    row = (await session.execute(stmt)).first()
-    return None if row is None else BatchRow(*row)
+    rows = await _core_rows(session, _OPEN_BATCH, {"run_id": run_id, "step": step})
+    return BatchRow(*rows[0]) if rows else None
 
 
 async def last_replay_counts(session: AsyncSession, run_ids: Sequence[int]) -> dict[int, int]:
@@ -1220,7 +1349,7 @@ async def merge_run_metrics(session: AsyncSession, run_id: int, step: int, metri
     """Add `metrics` to the run's numbers of `step` (a name sent again takes the new value), in
     one statement. Callers hold the run's row lock, which serialises writers of one run."""
     row = {"run_id": run_id, "step": step, "metrics": dict(metrics), "updated_at": utcnow()}
-    await session.execute(_run_metrics_upsert(_dialect(session)), row)
+    await _core_write(session, _run_metrics_upsert(_dialect(session)), row, tuple(row))
 
 
 @functools.cache
@@ -1289,16 +1418,19 @@ async def record_idempotent(session: AsyncSession, values: dict[str, Any]) -> No
     bind = _bound(conn, _idem_t, names)
     marks = ", ".join(q.arg(v) for v in bind([values[n] for n in names]))
     quoted = ", ".join(conn.dialect.identifier_preparer.quote(n) for n in names)  # "key" on SQLite
-    await conn.exec_driver_sql(f"INSERT INTO idempotency_key ({quoted}) VALUES ({marks})", tuple(q.args))
+    await _driver_write(conn, f"INSERT INTO idempotency_key ({quoted}) VALUES ({marks})", q.args)
 
 
 async def complete_idempotent(
     session: AsyncSession, key: str, principal: str, response: Any, request_hash: str
 ) -> None:
     """Store the answer, and the request's hash, of a key recorded in this transaction."""
-    c = _idem_t.c
-    where = (c.key == key, c.principal == principal)
-    await session.execute(update(_idem_t).where(*where).values(response=response, request_hash=request_hash))
+    params = {"response": response, "request_hash": request_hash}
+    params |= {"where_key": key, "where_principal": principal}
+    await _core_write(session, _IDEM_COMPLETE, params, ("response", "request_hash"))
 
 
 _idem_t = cast(Table, IdempotencyKey.__table__)
+_IDEM_COMPLETE = update(_idem_t).where(
+    _idem_t.c.key == bindparam("where_key"), _idem_t.c.principal == bindparam("where_principal")
+)

@@ -69,6 +69,22 @@ async def fetch_all(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any
         cursor.close()
 
 
+async def execute(
+    conn: sqlite3.Connection, sql: str, parameters: Sequence[Any], *, many: bool = False
+) -> int:
+    """Run one statement that returns no rows on `conn` directly (`many`: once per parameter set
+    in `parameters`), retried as a cursor's statement is; the rows it changed (summed)."""
+    cursor = conn.cursor()
+    try:
+        if many:
+            await _retrying(lambda: cursor.executemany(sql, parameters))
+        else:
+            await _retrying(lambda: cursor.execute(sql, parameters))
+        return cursor.rowcount
+    finally:
+        cursor.close()
+
+
 class InlineCursor:
     """The subset of aiosqlite's cursor that SQLAlchemy's adapter uses."""
 
