@@ -50,3 +50,20 @@ async def test_an_in_memory_database_has_no_checkpoint_task() -> None:
         assert db._checkpoint is None
     finally:
         await db.close()
+
+
+def _open_handles(path: Path) -> int:
+    """This process's open file descriptors on `path`."""
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == str(path.resolve()))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc (Linux)")
+async def test_closing_the_database_leaves_no_handle_on_its_file(tmp_path: Path) -> None:
+    path = tmp_path / "pool.db"
+    db = Database(f"sqlite+aiosqlite:///{path}", sqlite_inline=True)
+    with db.hot():
+        await _size_after_write(db, path, os.urandom(100_000))
+    assert _open_handles(path) > 0
+    await db.close()
+    assert _open_handles(path) == 0

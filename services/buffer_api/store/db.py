@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator
 from contextvars import ContextVar
@@ -187,6 +188,10 @@ class Database:
         u = make_url(url)
         #: a SQLite file: its WAL is checkpointed in the background after writes
         self._wal = self.is_sqlite and bool(u.database) and u.database != ":memory:"
+        #: the file a checkpoint opens directly (None: a URL with options, checkpointed through
+        #: the engine as the service opens it)
+        self._wal_file = u.database if self._wal and not u.query else None
+        self._checkpointer: sqlite3.Connection | None = None
         self._checkpoint: asyncio.Task[None] | None = None
         self._checkpoint_again = False
         self._fold: asyncio.Task[None] | None = None
@@ -260,12 +265,26 @@ class Database:
         while again:
             self._checkpoint_again = False
             try:
-                async with self.engine.connect() as conn:  # the thread driver: it copies megabytes
-                    await conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+                if self._wal_file is not None:
+                    # in a worker thread (it copies megabytes) on a connection of its own: through
+                    # the engine, the checkout and the driver's thread hops took loop time
+                    await asyncio.to_thread(self._checkpoint_file, self._wal_file)
+                else:
+                    async with self.engine.connect() as conn:  # the thread driver
+                        await conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
             except Exception:  # the WAL stays; the next write tries again, SQLite's bound holds
                 log.warning("background WAL checkpoint failed", exc_info=True)
                 return
             again = self._checkpoint_again
+
+    def _checkpoint_file(self, path: str) -> None:
+        """A PASSIVE checkpoint of the file (one runs at a time), on a connection kept open for
+        the next one and closed with the database."""
+        if self._checkpointer is None:
+            self._checkpointer = sqlite3.connect(
+                path, timeout=0, check_same_thread=False, isolation_level=None
+            )
+        self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
 
     async def fold_tallies(self) -> None:
         """Postgres: fold the tallies' rows, in a transaction of its own (writers only add rows,
@@ -453,6 +472,9 @@ class Database:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self.settle()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
         if self.hot_engine is not None:
             await self.hot_engine.dispose()
         await self.engine.dispose()
