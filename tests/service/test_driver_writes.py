@@ -234,3 +234,70 @@ async def test_inline_sqlite_core_statements_read_and_write_what_sqlalchemy_does
         assert executed == []
     finally:
         await db.close()
+
+
+async def test_trajectories_stored_by_the_inline_driver_are_blobs_read_back_as_sent(tmp_path: Path) -> None:
+    """The payload columns go to `sqlite3` as the bytes they are: stored as BLOBs, as SQLAlchemy
+    stores them, and read back unchanged by either path."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}"
+    pool, qids = await _pool_and_questions(Backend("sqlite", url, None, "unused"))
+    db = Database(url, sqlite_inline=True)
+
+    def row(qid: int, n: int) -> dict[str, Any]:
+        ids = bytes(range(n)) * 4
+        return {
+            "question_id": qid,
+            "pool_id": pool,
+            "scope": -pool,
+            "source_run_id": None,
+            "policy_version": 1,
+            "step": 2,
+            "token_ids": ids,
+            "logprobs": b"\x00\x00\x80\xbf" * n,
+            "num_tokens": n,
+            "reward": 1.0,
+            "entropy": 0.5,
+            "dedup_key": bytes([n]) * 16,
+            "text": None,
+            "created_at": AT,
+        }
+
+    sent = [row(qids[0], 3), row(qids[1], 5)]
+    try:
+        async with db.hot_sessions() as hot, hot.begin():
+            assert await repo.insert_trajectories(hot, sent[:1]) == 1
+        async with db.sessions() as thread, thread.begin():
+            assert await repo.insert_trajectories(thread, sent[1:]) == 1
+        sql = "SELECT typeof(token_ids), typeof(logprobs), typeof(dedup_key) FROM trajectory"
+        types = await _raw(db, sql)
+        assert types == [("blob", "blob", "blob")] * 2
+        for sessions in (db.hot_sessions, db.sessions):
+            async with sessions() as session:
+                got = await repo.trajectories_of(session, qids[:2], scope=-pool)
+                for r in sent:
+                    (one,) = got[r["question_id"]]
+                    assert (one.token_ids, one.logprobs) == (r["token_ids"], r["logprobs"])
+                    assert one.created_at == AT
+    finally:
+        await db.close()
+
+
+async def test_a_sessions_connection_is_kept_for_its_transaction_only(tmp_path: Path) -> None:
+    """The hot path asks its session for the connection once per transaction; after a commit
+    the session's next transaction gets its own."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}"
+    _pool, qids = await _pool_and_questions(Backend("sqlite", url, None, "unused"))
+    db = Database(url)
+    try:
+        async with db.sessions() as session:
+            first = await repo.question_prompts(session, qids)
+            held = session.info["exgrpo_connection"]
+            await repo.get_states(session, 1, qids)
+            assert session.info["exgrpo_connection"] is held
+            await session.commit()
+            assert held[1].closed
+            assert await repo.question_prompts(session, qids) == first
+            again = session.info["exgrpo_connection"]
+            assert again is not held and not again[1].closed
+    finally:
+        await db.close()

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 from sqlalchemy import (
     ColumnElement,
+    LargeBinary,
     Select,
     Table,
     and_,
@@ -88,6 +89,27 @@ def _locked(session: AsyncSession, stmt: Select[Any]) -> Select[Any]:
 
 
 # ------------------------------------------------- driver statements of the hot path's reads
+def _innermost(session: AsyncSession) -> object:
+    """The session's current transaction: its savepoint's, inside one."""
+    sync = session.sync_session
+    return sync.get_nested_transaction() or sync.get_transaction()
+
+
+async def _connection(session: AsyncSession) -> AsyncConnection:
+    """`session.connection()`, kept while the session's current transaction lasts: each call is a
+    greenlet hop into the session (~20 us), and a request asks for it once per statement. A new
+    transaction or savepoint asks the session again (it begins a savepoint on the connection
+    when first asked for it there)."""
+    held = session.info.get("exgrpo_connection")
+    tx = _innermost(session)
+    if held is not None and tx is not None and held[0] is tx and not held[1].closed:
+        conn: AsyncConnection = held[1]
+        return conn
+    conn = await session.connection()
+    session.info["exgrpo_connection"] = (_innermost(session), conn)
+    return conn
+
+
 class _Sql:
     """The parameters of one driver statement and their marks, for either backend: `$n` for
     asyncpg, `?` for SQLite; a list of ids is one array parameter on Postgres (`= ANY($n)`: the
@@ -151,7 +173,10 @@ def _bound(
     timestamp as SQLite's text, a JSON value as its text), for a driver statement. A timestamp is
     converted once per distinct value (the rows of one request share theirs)."""
     dialect = conn.dialect
-    found = [table.c[n].type.dialect_impl(dialect).bind_processor(dialect) for n in names]
+    impls = [table.c[n].type.dialect_impl(dialect) for n in names]
+    # SQLite's driver takes bytes for a BLOB as they are (SQLAlchemy wraps each in a memoryview)
+    raw = dialect.name == "sqlite"
+    found = [None if raw and isinstance(t, LargeBinary) else t.bind_processor(dialect) for t in impls]
     procs = [(i, p) for i, p in enumerate(found) if p is not None]
     stamps: dict[tuple[datetime, Any], Any] = {}
 
@@ -252,7 +277,7 @@ async def _core_rows(session: AsyncSession, stmt: Any, params: dict[str, Any]) -
     gives. On the hot path's SQLite connections compiled once and run on `sqlite3` (through
     SQLAlchemy a small statement cost ~0.1-0.2 ms more: the session's execution, its context,
     the greenlet hops, a Row per row); elsewhere through the session."""
-    conn = await session.connection()
+    conn = await _connection(session)
     inline = _inline_sqlite(conn)
     compiled = None if inline is None else _compiled_sqlite(stmt, conn.dialect, None)
     if inline is None or compiled is None:
@@ -270,7 +295,7 @@ async def _core_write(
 ) -> None:
     """Run a Core INSERT or UPDATE built once (cached) that sets the columns `keys` from
     `params` (its other parameters: its own bound names), as `_core_rows` runs a read."""
-    conn = await session.connection()
+    conn = await _connection(session)
     inline = _inline_sqlite(conn)
     compiled = None if inline is None else _compiled_sqlite(stmt, conn.dialect, keys)
     if inline is None or compiled is None:
@@ -636,7 +661,7 @@ async def list_questions(session: AsyncSession, pool_id: int, after: int, limit:
 async def question_prompts(session: AsyncSession, ids: Sequence[int]) -> dict[int, Any]:
     """(id, prompt, ground_truth, data_source) of questions, as plain rows (a plan's or a
     selection's questions: no mapped objects on the hot path), read by a driver statement."""
-    conn = await session.connection()
+    conn = await _connection(session)
     prompt = _result_processor(conn, _question_t.c.prompt)
     out: dict[int, Any] = {}
     for chunk in _chunks(sorted(set(ids))):
@@ -656,7 +681,7 @@ class _Prompt(NamedTuple):
 
 async def questions_in_pool(session: AsyncSession, pool_id: int, ids: Sequence[int]) -> set[int]:
     """Which of `ids` are questions of the pool."""
-    conn = await session.connection()
+    conn = await _connection(session)
     out: set[int] = set()
     for chunk in _chunks(sorted(set(ids))):
         q = _Sql(conn)
@@ -744,7 +769,7 @@ async def get_states(
     session: AsyncSession, scope: int, qids: Sequence[int]
 ) -> dict[int, tuple[int | None, bool]]:
     """(bucket, retired) of the questions of one scope that have a state row."""
-    conn = await session.connection()
+    conn = await _connection(session)
     out: dict[int, tuple[int | None, bool]] = {}
     for chunk in _chunks(list(qids)):
         q = _Sql(conn)
@@ -764,7 +789,7 @@ async def upsert_decided_states(session: AsyncSession, rows: list[dict[str, Any]
     the retired set."""
     if not rows:
         return
-    conn = await session.connection()
+    conn = await _connection(session)
     if conn.dialect.name == "postgresql" and len({(r["scope"], r["question_id"]) for r in rows}) == len(rows):
         # one statement over arrays: one round trip, and the tallies' statement triggers fire once
         # (a statement per row fired them per row: ~0.2 ms each at 128 rows a commit); in one
@@ -933,7 +958,7 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
     rows = sorted(rows, key=lambda r: r["question_id"])
     if not rows:
         return 0
-    conn = await session.connection()
+    conn = await _connection(session)
     if conn.dialect.name == "postgresql":
         columns = tuple([r[c] for r in rows] for c in _TRAJECTORY_COLUMNS)
         return int((await conn.exec_driver_sql(_TRAJECTORIES_INSERT_PG, columns)).scalar_one())
@@ -963,7 +988,7 @@ async def trajectories_of(
     skip = (() if payload else ("token_ids", "logprobs", "dedup_key")) + (() if text else ("text",))
     names = [c.name for c in _traj_t.c if c.name not in skip and (only is None or c.name in only)]
     for chunk in _chunks(list(qids)):
-        q = _Sql(await session.connection())
+        q = _Sql(await _connection(session))
         where = f"question_id {q.ids(chunk)}" + ("" if scope is None else f" AND scope = {q.arg(scope)}")
         for row in await _trajectory_rows(session, names, where, q):
             out[row.question_id].append(row)  # a row read like a Trajectory
@@ -979,7 +1004,7 @@ async def trajectories_by_id(
     names = [c.name for c in _traj_t.c if c.name not in skip]
     out: dict[int, Any] = {}
     for chunk in _chunks(sorted(set(ids))):
-        q = _Sql(await session.connection())
+        q = _Sql(await _connection(session))
         for row in await _trajectory_rows(session, names, f"id {q.ids(chunk)}", q):
             out[row.id] = row
     return out
@@ -1007,7 +1032,7 @@ def _trajectory_row(names: tuple[str, ...]) -> Any:
 
 async def _trajectory_rows(session: AsyncSession, names: list[str], where: str, q: _Sql) -> list[Any]:
     """Trajectory rows of `names` in id order, the timestamp as SQLAlchemy would give it."""
-    conn = await session.connection()
+    conn = await _connection(session)
     sql = f"SELECT {', '.join(names)} FROM trajectory WHERE {where} ORDER BY id"
     make = _trajectory_row(tuple(names))._make
     rows = await _driver_rows(conn, sql, q)
@@ -1020,7 +1045,7 @@ async def _trajectory_rows(session: AsyncSession, names: list[str], where: str, 
 
 async def delete_trajectories(session: AsyncSession, scope: int, qids: Sequence[int]) -> int:
     """Remove the trajectories of questions in one scope (retired questions are never replayed)."""
-    conn = await session.connection()
+    conn = await _connection(session)
     removed = 0
     for chunk in _chunks(sorted(set(qids))):
         q = _Sql(conn)
@@ -1412,7 +1437,7 @@ async def record_idempotent(session: AsyncSession, values: dict[str, Any]) -> No
     """Record a new key (an IntegrityError if it is recorded already): every column of the table
     in `values`, written by a driver statement (a Core INSERT of a new values clause was built and
     looked up in the statement cache on every request)."""
-    conn = await session.connection()
+    conn = await _connection(session)
     q = _Sql(conn)
     names = [c.name for c in _idem_t.c]
     bind = _bound(conn, _idem_t, names)
