@@ -88,7 +88,7 @@ def _locked(session: AsyncSession, stmt: Select[Any]) -> Select[Any]:
     return stmt.with_for_update() if _is_pg(session) else stmt
 
 
-# ------------------------------------------------- driver statements of the hot path's reads
+# ------------------------------------------------------- the hot path's statements, run lean
 def _innermost(session: AsyncSession) -> object:
     """The session's current transaction: its savepoint's, inside one."""
     sync = session.sync_session
