@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from pydantic import ValidationError
 
@@ -107,3 +108,28 @@ def main(argv: list[str] | None = None) -> int:
     cfg = read_config(args.config, [*args.overrides, *(["run.takeover=true"] if args.takeover else [])])
     run(cfg, args.log_format)
     return 0
+
+
+def main_process(argv: list[str] | None = None) -> NoReturn:
+    """`main` as the whole process (`python -m exgrpo_trainer`). A rank of a torchrun run that
+    returns or exits (a setting refused, a run owned by another trainer) leaves without the
+    interpreter's teardown, once its logs and output are flushed: after a finished two-rank run
+    on CPU, a rank sometimes aborted in that teardown, past its last Python frame ("terminate
+    called without an active exception", status -6, ~1 run in 13 under load), and torchrun then
+    failed the whole run. Its training, checkpoint and process group are closed by then (`run`).
+    An unexpected exception still goes through the interpreter, its traceback printed as usual."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(main(argv))
+    try:
+        code: object = main(argv)
+    except SystemExit as e:
+        code = e.code
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # SystemExit("message"): printed, status 1, as Python does
+        sys.stderr.write(f"{code}\n")
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
