@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 from sqlalchemy import text
-from starlette.datastructures import URL, Headers, MutableHeaders
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -334,13 +334,19 @@ class Observability:
                 "fields": {
                     "method": scope["method"],
                     "route": route,
-                    "path": URL(scope=scope).path,
+                    "path": _logged_path(scope["path"]),
                     "status": status,
                     "ms": round(elapsed * 1000, 2),
                     "request_id": request_id,
                 }
             },
         )
+
+
+def _logged_path(path: str) -> str:
+    """The request's path as Starlette's `URL(scope=...).path` gives it (`?`, `#` and backslashes
+    escaped), without building the URL (its host header parsing) on every request."""
+    return path.replace("?", "%3F").replace("#", "%23").replace("\\", "%5C")
 
 
 # ------------------------------------------------------------------------------------- the app

@@ -301,3 +301,71 @@ async def test_a_sessions_connection_is_kept_for_its_transaction_only(tmp_path: 
             assert again is not held and not again[1].closed
     finally:
         await db.close()
+
+
+#: JSON texts as `json.loads` reads them, each stored in a question's prompt column; pydantic-core's
+#: parser reads the first three itself, a lone surrogate (SQLite only) only `json.loads` reads
+_JSON_TEXTS = [
+    '[{"role": "user", "content": "\\u00e9 \\ud83d\\ude00 \\"q\\""}]',
+    '{"n": 123456789012345678901234567890, "x": [1.5, -0.0, 1e300, null, true]}',
+    '{"a": 1, "b": {"c": []}}',
+]
+_SQLITE_ONLY = ['[NaN, -Infinity, "\\ud800"]']
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return a == b or (a != a and b != b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_json(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+async def test_json_columns_are_read_as_json_loads_reads_them_by_the_faster_parser(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A JSON column (a prompt here) reads back as `json.loads` reads its text, through every
+    engine and driver, and `json.loads` itself runs only for a text pydantic-core's parser refuses."""
+    import json
+
+    _pool, qids = await _pool_and_questions(backend)
+    sqlite = backend.database_url.startswith("sqlite")
+    texts = _JSON_TEXTS + (_SQLITE_ONLY if sqlite else [])
+    calls: list[str] = []
+    loads = json.loads
+
+    def counted(raw: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(raw)
+        return loads(raw, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counted)
+    db = Database(backend.database_url, sqlite_inline=sqlite)
+    try:
+        cast = "" if sqlite else "CAST(:p AS JSONB)"
+        async with db.transaction() as session:
+            for qid, doc in zip(qids, texts, strict=False):
+                await session.execute(
+                    text(f"UPDATE question SET prompt = {cast or ':p'} WHERE id = :id"), {"p": doc, "id": qid}
+                )
+            # the text as stored (Postgres's JSONB writes numbers its own way: 1e300 in full)
+            stored = await session.execute(
+                text(f"SELECT id, {'prompt' if sqlite else 'CAST(prompt AS TEXT)'} FROM question")
+            )
+            expected = {int(qid): loads(doc) for qid, doc in stored.all()}
+        makers = (db.hot_sessions, db.sessions) if sqlite else (db.sessions,)
+        for sessions in makers:
+            calls.clear()
+            async with sessions() as session:
+                got = await repo.question_prompts(session, list(expected))
+                mapped = {q.id: q.prompt for q in (await session.execute(select(Question))).scalars()}
+            for qid, value in expected.items():
+                assert _same_json(got[qid].prompt, value), (got[qid].prompt, value)
+                assert _same_json(mapped[qid], value), (mapped[qid], value)
+            # twice each (the driver read and the mapped read) the lone surrogate, nothing else
+            assert len(calls) == (2 if sqlite else 0), calls
+    finally:
+        await db.close()

@@ -20,7 +20,7 @@ from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
-from exgrpo_pool import faults
+from exgrpo_pool import faults, jsonread
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.sqlite_inline import creator as sqlite_inline_creator
 
@@ -82,12 +82,16 @@ def make_engine(
         if inline:
             assert u.database is not None
             connect = sqlite_inline_creator(u.database, cached_statements=cached)
-            engine = create_async_engine(url, async_creator=connect)
+            engine = create_async_engine(url, async_creator=connect, json_deserializer=jsonread.loads)
         else:
-            engine = create_async_engine(url, connect_args={"cached_statements": cached})
+            engine = create_async_engine(
+                url, connect_args={"cached_statements": cached}, json_deserializer=jsonread.loads
+            )
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas(sqlite_cache_mb, inline=inline))
         return engine
-    engine = create_async_engine(url, pool_size=pool_size, max_overflow=pool_size)
+    engine = create_async_engine(
+        url, pool_size=pool_size, max_overflow=pool_size, json_deserializer=jsonread.loads
+    )
     event.listen(engine.sync_engine, "checkout", _drop_if_closed)
     return engine
 
