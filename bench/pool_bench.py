@@ -1061,6 +1061,9 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
             res["db_bytes"] = seed_file.stat().st_size
             res["copy_s"] = round(_seed.copy_sqlite(seed_file, work_file), 1)
             env = {"EXGRPO_DATABASE_URL": f"sqlite+aiosqlite:///{work_file}"}
+            if SERVICE_WORKERS > 1:
+                # several service processes share one index: the service refuses them without Redis
+                env.update(EXGRPO_REDIS_URL=opts.redis_url, EXGRPO_REDIS_PREFIX=redis_prefix)
             if opts.floor:
                 _seed.copy_sqlite(seed_file, floor_file)
                 floor_url = str(floor_file)
@@ -1087,7 +1090,7 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
             res["service_src_schema"] = head
         log(f"  {tag}: starting service")
         server = await asyncio.to_thread(start_server, env, log_path, profile_path)
-        if backend == "postgres":
+        if "EXGRPO_REDIS_URL" in env:
             server.redis_url, server.redis_prefix = opts.redis_url, redis_prefix
         res["startup_s"] = round(server.startup_s, 2)
         log(f"  {tag}: ready in {server.startup_s:.1f}s, measuring")
@@ -1110,6 +1113,8 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
             for f in (work_file, floor_file):
                 for p in (f, Path(f"{f}-wal"), Path(f"{f}-shm")):
                     p.unlink(missing_ok=True)
+            if SERVICE_WORKERS > 1:
+                _redis_cleanup(opts.redis_url, redis_prefix)
         else:
             with contextlib.suppress(Exception):
                 await _seed.pg_admin(opts.pg_dsn, f"DROP DATABASE IF EXISTS {work_db} WITH (FORCE)")
