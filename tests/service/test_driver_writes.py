@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event, insert, select, text
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.db import Database
@@ -367,5 +367,77 @@ async def test_json_columns_are_read_as_json_loads_reads_them_by_the_faster_pars
                 assert _same_json(mapped[qid], value), (mapped[qid], value)
             # twice each (the driver read and the mapped read) the lone surrogate, nothing else
             assert len(calls) == (2 if sqlite else 0), calls
+    finally:
+        await db.close()
+
+
+async def test_a_driver_statement_is_part_of_its_sessions_transaction(backend: Backend) -> None:
+    """A driver write (the idempotency record; on Postgres run on asyncpg itself, `pg_direct`) is
+    undone with its session's transaction, and kept with its commit, as the statements SQLAlchemy
+    runs in that transaction are."""
+    _pool, qids = await _pool_and_questions(backend)
+    db = Database(backend.database_url, sqlite_inline=backend.database_url.startswith("sqlite"))
+    values = {
+        "key": "k-tx",
+        "principal": "someone",
+        "route": "POST /x",
+        "request_hash": "",
+        "status_code": 200,
+        "response": {},
+        "created_at": AT,
+    }
+    try:
+        for sessions in {db.hot_sessions, db.sessions}:
+            async with sessions() as session:
+                # the driver statement first: it begins the transaction where none is open
+                await repo.record_idempotent(session, values)
+                await session.execute(text("UPDATE question SET data_source = 'changed'"))
+                assert await repo.get_idempotent(session, "k-tx", "someone") is not None
+                await session.rollback()
+            async with db.transaction() as session:
+                assert await repo.get_idempotent(session, "k-tx", "someone") is None
+                sources = (await session.execute(select(Question.data_source))).scalars().all()
+                assert "changed" not in sources and len(sources) == len(qids)
+        async with db.hot_sessions() as session:
+            await repo.record_idempotent(session, values)
+            await session.commit()
+        async with db.transaction() as session:
+            assert await repo.get_idempotent(session, "k-tx", "someone") is not None
+    finally:
+        await db.close()
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("postgres-redis", marks=[pytest.mark.postgres, pytest.mark.redis])],
+    indirect=True,
+)
+async def test_a_driver_statement_on_a_lost_connection_fails_as_sqlalchemys_do(backend: Backend) -> None:
+    """A driver read on asyncpg itself whose connection the server closed raises SQLAlchemy's
+    DBAPIError with `connection_invalidated` (what the service answers 503 for), and the pool
+    gives a working connection afterwards."""
+    import asyncpg
+
+    from exgrpo_pool.app import database_unavailable
+
+    _pool, qids = await _pool_and_questions(backend)
+    db = Database(backend.database_url)
+    try:
+        async with db.sessions() as session:
+            first = await repo.question_prompts(session, qids)
+            pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+            other = await asyncpg.connect(
+                backend.database_url.replace("postgresql+asyncpg://", "postgresql://")
+            )
+            try:
+                await other.execute("SELECT pg_terminate_backend($1)", pid)
+            finally:
+                await other.close()
+            with pytest.raises(DBAPIError) as failed:
+                await repo.question_prompts(session, qids)
+            assert failed.value.connection_invalidated, repr(failed.value)
+            assert database_unavailable(failed.value)
+        async with db.sessions() as session:
+            assert await repo.question_prompts(session, qids) == first
     finally:
         await db.close()

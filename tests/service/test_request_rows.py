@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 from sqlalchemy import Engine, event
 
-from exgrpo_pool.store import sqlite_inline
+from exgrpo_pool.store import pg_direct, sqlite_inline
 
 from .factories import B, commit_batch, correct_first, make_groups, ok, plan_batch, setup_pool
 from .harness import Backend, db_rows, serve
@@ -84,11 +84,13 @@ async def test_a_missing_pool_run_or_batch_is_a_404_on_the_hot_paths(client: htt
 
 class _Seen(list[str]):
     """Statements run, in order; `through_sqlalchemy`: those that went through SQLAlchemy's
-    execution (the rest went to `sqlite3` directly)."""
+    execution (the rest went to `sqlite3` or to asyncpg directly); `on_asyncpg`: those run on
+    asyncpg under SQLAlchemy's adapter (`pg_direct`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.through_sqlalchemy: list[str] = []
+        self.on_asyncpg: list[str] = []
 
 
 @contextlib.contextmanager
@@ -104,6 +106,19 @@ def _statements() -> Iterator[_Seen]:
             seen.through_sqlalchemy.append(statement)
 
     fetch_all, execute = sqlite_inline.fetch_all, sqlite_inline.execute
+    pg_fetch, pg_execute = pg_direct.fetch_all, pg_direct.execute
+
+    async def counted_pg_fetch(adapt: Any, sql: str, args: Sequence[Any], stamp: float) -> list[Any]:
+        seen.append(sql)
+        seen.on_asyncpg.append(sql)
+        return await pg_fetch(adapt, sql, args, stamp)
+
+    async def counted_pg_execute(
+        adapt: Any, sql: str, args: Sequence[Any], stamp: float, *, many: bool = False
+    ) -> int:
+        seen.append(sql)
+        seen.on_asyncpg.append(sql)
+        return await pg_execute(adapt, sql, args, stamp, many=many)
 
     async def counted_fetch(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any]) -> list[Any]:
         seen.append(sql)
@@ -117,10 +132,12 @@ def _statements() -> Iterator[_Seen]:
 
     event.listen(Engine, "before_cursor_execute", count)
     sqlite_inline.fetch_all, sqlite_inline.execute = counted_fetch, counted_execute
+    pg_direct.fetch_all, pg_direct.execute = counted_pg_fetch, counted_pg_execute
     try:
         yield seen
     finally:
         sqlite_inline.fetch_all, sqlite_inline.execute = fetch_all, execute
+        pg_direct.fetch_all, pg_direct.execute = pg_fetch, pg_execute
         event.remove(Engine, "before_cursor_execute", count)
 
 
@@ -137,21 +154,26 @@ async def test_statements_per_request(backend: Backend) -> None:
             ok(await commit_batch(client, plan, make_groups(plan, half)))
         counts: dict[str, int] = {}
         through_sqlalchemy: dict[str, list[str]] = {}
+        on_asyncpg: dict[str, int] = {}
         key = {"Idempotency-Key": "k1"}
         with _statements() as seen:
             r = await client.post("/v1/pools/p1/runs/r1/batches", json={}, headers=key)
         plan, counts["plan"], through_sqlalchemy["plan"] = ok(r, 201), len(seen), seen.through_sqlalchemy
+        on_asyncpg["plan"] = len(seen.on_asyncpg)
         assert plan["replay"]
         body = make_groups(plan, half)
         with _statements() as seen:
             ok(await commit_batch(client, plan, body, **key))
         counts["commit"], through_sqlalchemy["commit"] = len(seen), seen.through_sqlalchemy
+        on_asyncpg["commit"] = len(seen.on_asyncpg)
         with _statements() as seen:
             ok(await client.post("/v1/pools/p1/runs/r1/ingest", json=body, headers=key))
         counts["ingest"], through_sqlalchemy["ingest"] = len(seen), seen.through_sqlalchemy
+        on_asyncpg["ingest"] = len(seen.on_asyncpg)
         with _statements() as seen:
             assert ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 4}))["replay"]
         counts["select"], through_sqlalchemy["select"] = len(seen), seen.through_sqlalchemy
+        on_asyncpg["select"] = len(seen.on_asyncpg)
     # plan: key, run (+ lease), open batch, states, candidates, batch, run update, prompts, answer
     # commit: key, run (+ batch and lease), states, state upsert, trajectories, run update,
     # metrics, batch, answer; ingest: key, run (+ lease), questions, states, state upsert,
@@ -160,6 +182,11 @@ async def test_statements_per_request(backend: Backend) -> None:
     if not pg:
         # SQLite's inline driver runs every one of them on `sqlite3` itself
         assert through_sqlalchemy == {name: [] for name in counts}, through_sqlalchemy
+    # on Postgres the driver statements run on asyncpg itself (the installed SQLAlchemy's adapter
+    # has what `pg_direct` uses): the key's record, the states and the candidates, the prompts, an
+    # ingest's question check; the Core statements still go through the session
+    driver = {"plan": 4, "commit": 2, "ingest": 3, "select": 3}
+    assert on_asyncpg == (driver if pg else dict.fromkeys(counts, 0)), on_asyncpg
 
 
 async def test_pool_stats_read_every_run_in_the_same_statements(backend: Backend) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
 from datetime import UTC, datetime
 from operator import itemgetter
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, NoReturn, cast
 
 import numpy as np
 from sqlalchemy import (
@@ -33,8 +33,9 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.util import greenlet_spawn
 
-from exgrpo_pool.store import sqlite_inline
+from exgrpo_pool.store import pg_direct, sqlite_inline
 from exgrpo_pool.store.models import (
     Batch,
     BatchRow,
@@ -142,11 +143,46 @@ async def _driver_rows(conn: AsyncConnection, sql: str, q: _Sql) -> Sequence[Any
     SQLAlchemy's all the same."""
     inline = _inline_sqlite(conn)
     if inline is None:
-        return (await conn.exec_driver_sql(sql, tuple(q.args))).all()
+        adapt = _asyncpg(conn)
+        if adapt is None:
+            return (await conn.exec_driver_sql(sql, tuple(q.args))).all()
+        try:
+            return await pg_direct.fetch_all(adapt, sql, q.args, _schema_stamp(conn))
+        except Exception as e:
+            await _pg_failed(conn, adapt, sql, q.args, e)
     try:
         return await sqlite_inline.fetch_all(inline, sql, q.args)
     except sqlite3.Error as e:
         raise DBAPIError.instance(sql, q.args, e, sqlite3.Error) from e
+
+
+def _asyncpg(conn: AsyncConnection) -> Any | None:
+    """SQLAlchemy's asyncpg adapter under a Postgres connection, where `pg_direct` can run
+    statements on it (None: another driver, or an adapter without the parts it uses)."""
+    sync = conn.sync_connection
+    if sync is None or conn.dialect.name != "postgresql":
+        return None
+    return pg_direct.adapter(sync.connection.dbapi_connection)
+
+
+def _schema_stamp(conn: AsyncConnection) -> float:
+    stamp: float = getattr(conn.dialect, "_invalidate_schema_cache_asof", 0)
+    return stamp
+
+
+async def _pg_failed(
+    conn: AsyncConnection, adapt: Any, sql: str, args: Sequence[Any], error: Exception
+) -> NoReturn:
+    """Raise what SQLAlchemy raises for `error` of a statement it ran itself: the adapter's DBAPI
+    error, wrapped by the connection (which invalidates itself if the error says the connection is
+    lost, and says so in the error's `connection_invalidated`)."""
+    sync = conn.sync_connection
+    assert sync is not None
+    try:
+        adapt._handle_exception(error)  # raises the DBAPI error the adapter makes of it
+    except Exception as translated:
+        await greenlet_spawn(sync._handle_dbapi_exception, translated, sql, tuple(args), None, None)
+    raise error  # not reached: both of the above raise
 
 
 def _inline_sqlite(conn: AsyncConnection) -> sqlite3.Connection | None:
@@ -204,7 +240,13 @@ async def _driver_write(conn: AsyncConnection, sql: str, args: Sequence[Any], *,
     `_driver_rows` reads, with SQLAlchemy's errors all the same."""
     inline = _inline_sqlite(conn)
     if inline is None:
-        return int((await conn.exec_driver_sql(sql, list(args) if many else tuple(args))).rowcount)
+        adapt = _asyncpg(conn)
+        if adapt is None:
+            return int((await conn.exec_driver_sql(sql, list(args) if many else tuple(args))).rowcount)
+        try:
+            return await pg_direct.execute(adapt, sql, args, _schema_stamp(conn), many=many)
+        except Exception as e:
+            await _pg_failed(conn, adapt, sql, args, e)
     try:
         return await sqlite_inline.execute(inline, sql, args, many=many)
     except sqlite3.Error as e:
