@@ -74,18 +74,13 @@ def _install_sql_timer() -> None:
     event.listen(Engine, "after_cursor_execute", after)
     event.listen(Engine, "handle_error", failed)
 
-    # the hot path's SQLite statements that go to `sqlite3` directly, not through SQLAlchemy's execution
-    # (an older service, `--service-src`, may have neither the module nor the function)
-    try:
-        from exgrpo_pool.store import sqlite_inline
-    except ImportError:
-        return
-
+    # the hot path's statements that go to `sqlite3` or to asyncpg directly, not through
+    # SQLAlchemy's execution (an older service, `--service-src`, may have neither module)
     def timed(run: Any) -> Any:
-        async def call(conn: Any, sql: str, parameters: Any, **kw: Any) -> Any:
+        async def call(conn: Any, sql: str, *args: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return await run(conn, sql, parameters, **kw)
+                return await run(conn, sql, *args, **kw)
             finally:
                 seconds = time.perf_counter() - t0
                 _add(0, seconds)
@@ -94,10 +89,17 @@ def _install_sql_timer() -> None:
 
         return call
 
-    for name in ("fetch_all", "execute"):  # the reads, and the writes
-        run = getattr(sqlite_inline, name, None)
-        if run is not None:
-            setattr(sqlite_inline, name, timed(run))
+    import importlib
+
+    for module_name in ("exgrpo_pool.store.sqlite_inline", "exgrpo_pool.store.pg_direct"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name in ("fetch_all", "execute"):  # the reads, and the writes
+            run = getattr(module, name, None)
+            if run is not None:
+                setattr(module, name, timed(run))
 
 
 def _install_gc_timer() -> None:

@@ -37,7 +37,7 @@ OUT = pb.OUT / "sample"
 RULES: list[tuple[str, str]] = [
     (
         "the database (SQLite's own work, the driver)",
-        r"InlineCursor\.|InlineConnection\.|sqlite_inline\.py|SqliteDb\.|PgDb\.|sqlite3|"
+        r"InlineCursor\.|InlineConnection\.|sqlite_inline\.py|pg_direct\.py|SqliteDb\.|PgDb\.|sqlite3|"
         r"PreparedStatement\.|asyncpg/|_WorkItem\.run|to_thread",
     ),
     ("hashing (request, commit digest, dedup keys)", r"request_hash|commit_digest|trajectory_key"),
