@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import event, insert, select, text
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
-from exgrpo_pool.store import repo
+from exgrpo_pool.store import pg_direct, repo
 from exgrpo_pool.store.db import Database
 from exgrpo_pool.store.models import IdempotencyKey, Question, RunQuestion
 
@@ -159,6 +159,68 @@ async def _raw(db: Database, sql: str) -> list[tuple[Any, ...]]:
         return [tuple(r) for r in (await (await session.connection()).exec_driver_sql(sql)).all()]
 
 
+async def _hot_writes(session: Any, name: str) -> int:
+    """The hot path's Core writes for run `name` (its batch, metrics and idempotency record named
+    after it); the run's id."""
+    found = await repo.run_rows(session, "p1", name, lock=True, lease=True)
+    assert found is not None and found[2] is not None
+    run_id: int = found[1].id
+    await repo.update_run(session, run_id, {"epoch": 3, "cursor": 7, "updated_at": AT})
+    await repo.extend_lease(session, run_id, AT + timedelta(hours=1))
+    batch = repo.BatchRow(
+        f"b-{name}", run_id, 4, "planned", "mixed", 2, {"fresh": [1, 2], "x": None}, None, AT
+    )
+    await repo.insert_batch(session, batch)
+    await repo.update_batch(session, batch.id, {"result": {"n": 1.5}, "committed_at": AT})
+    await repo.merge_run_metrics(session, run_id, 4, {"loss": 0.25})
+    await repo.merge_run_metrics(session, run_id, 4, {"reward": 0.5})
+    await repo.record_idempotent(
+        session,
+        {
+            "key": name,
+            "principal": "p",
+            "route": "r",
+            "request_hash": "",
+            "status_code": 201,
+            "response": None,
+            "created_at": AT,
+        },
+    )
+    await repo.complete_idempotent(session, name, "p", {"ok": [1, None]}, "h")
+    return run_id
+
+
+async def _stored_alike(db: Database, ids: dict[str, int], metric_more: str) -> None:
+    """Runs r1 and r2 have the same rows where the hot path wrote them (`metric_more`: more
+    columns of their metrics)."""
+    stored = {
+        "run": "SELECT epoch, cursor, updated_at, step, phase FROM run WHERE id = {}",
+        "run_lease": "SELECT holder, expires_at, generation FROM run_lease WHERE run_id = {}",
+        "batch": "SELECT step, status, phase, policy_version, plan, result, created_at, committed_at "
+        "FROM batch WHERE run_id = {}",
+        "run_metric": f"SELECT step, metrics{metric_more} FROM run_metric WHERE run_id = {{}}",
+    }
+    for table, sql in stored.items():
+        one, two = [await _raw(db, sql.format(ids[n])) for n in ("r1", "r2")]
+        assert one == two and one, (table, one, two)
+
+
+async def _hot_reads(s: Any, name: str, run_id: int, lock: bool) -> list[Any]:
+    """The hot path's Core reads of run `name` through session `s`: its run, batch, open batch
+    and lease rows."""
+    run = await repo.run_rows(s, "p1", name, lock=lock, lease=True)
+    batch = await repo.batch_rows(s, "p1", f"b-{name}", lock=lock)
+    assert run is not None and batch is not None
+    assert batch[2].plan == {"fresh": [1, 2], "x": None}
+    assert batch[2].created_at == AT and batch[1].updated_at == AT
+    opened = await repo.open_batch(s, run_id, 4)
+    assert opened == batch[2]
+    assert await repo.open_batch(s, run_id, 5) is None
+    lease = await repo.get_lease_row(s, run_id)
+    assert lease is not None and lease.expires_at == AT + timedelta(hours=1)
+    return [run, batch, opened, lease]
+
+
 async def test_inline_sqlite_core_statements_read_and_write_what_sqlalchemy_does(tmp_path: Path) -> None:
     """The hot path's Core statements, compiled once and run on `sqlite3` by the inline driver:
     each read gives the values SQLAlchemy gives, and each write stores the same text, written
@@ -177,61 +239,80 @@ async def test_inline_sqlite_core_statements_read_and_write_what_sqlalchemy_does
         ids: dict[str, int] = {}
         for name, sessions in (("r1", db.hot_sessions), ("r2", db.sessions)):
             async with sessions() as session, session.begin():
-                found = await repo.run_rows(session, "p1", name, lock=True, lease=True)
-                assert found is not None and found[2] is not None
-                ids[name] = run_id = found[1].id
-                await repo.update_run(session, run_id, {"epoch": 3, "cursor": 7, "updated_at": AT})
-                await repo.extend_lease(session, run_id, AT + timedelta(hours=1))
-                batch = repo.BatchRow(
-                    f"b-{name}", run_id, 4, "planned", "mixed", 2, {"fresh": [1, 2], "x": None}, None, AT
-                )
-                await repo.insert_batch(session, batch)
-                await repo.update_batch(session, batch.id, {"result": {"n": 1.5}, "committed_at": AT})
-                await repo.merge_run_metrics(session, run_id, 4, {"loss": 0.25})
-                await repo.merge_run_metrics(session, run_id, 4, {"reward": 0.5})
-                await repo.record_idempotent(
-                    session,
-                    {
-                        "key": name,
-                        "principal": "p",
-                        "route": "r",
-                        "request_hash": "",
-                        "status_code": 201,
-                        "response": None,
-                        "created_at": AT,
-                    },
-                )
-                await repo.complete_idempotent(session, name, "p", {"ok": [1, None]}, "h")
+                ids[name] = await _hot_writes(session, name)
         assert executed == [], "the inline driver's statements do not pass through SQLAlchemy"
-        stored = {
-            "run": "SELECT epoch, cursor, updated_at, step, phase FROM run WHERE id = {}",
-            "run_lease": "SELECT holder, expires_at, generation FROM run_lease WHERE run_id = {}",
-            "batch": "SELECT step, status, phase, policy_version, plan, result, created_at, committed_at "
-            "FROM batch WHERE run_id = {}",
-            "run_metric": "SELECT step, metrics, length(updated_at) FROM run_metric WHERE run_id = {}",
-        }
-        for table, sql in stored.items():
-            hot, thread = [await _raw(db, sql.format(ids[n])) for n in ("r1", "r2")]
-            assert hot == thread and hot, (table, hot, thread)
+        await _stored_alike(db, ids, ", length(updated_at)")
         keys = await _raw(db, "SELECT status_code, response, request_hash, created_at FROM idempotency_key")
         assert keys == [(201, '{"ok": [1, null]}', "h", str(AT.replace(tzinfo=None)))] * 2
         # and read back: each read through the inline driver gives what SQLAlchemy's gives
         for lock in (False, True):
-            async with db.hot_sessions() as hot, db.sessions() as thread:
-                for name in ("r1", "r2"):
-                    got = [await repo.run_rows(s, "p1", name, lock=lock, lease=True) for s in (hot, thread)]
-                    assert got[0] == got[1] and got[0] is not None
-                    got_b = [await repo.batch_rows(s, "p1", f"b-{name}", lock=lock) for s in (hot, thread)]
-                    assert got_b[0] == got_b[1] and got_b[0] is not None
-                    assert got_b[0][2].plan == {"fresh": [1, 2], "x": None}
-                    assert got_b[0][2].created_at == AT and got_b[0][1].updated_at == AT
-                    opened = [await repo.open_batch(s, ids[name], 4) for s in (hot, thread)]
-                    assert opened[0] == opened[1] == got_b[0][2]
-                    assert await repo.open_batch(hot, ids[name], 5) is None
-                    leases = [await repo.get_lease_row(s, ids[name]) for s in (hot, thread)]
-                    assert leases[0] == leases[1] and leases[0] is not None
-                    assert leases[0].expires_at == AT + timedelta(hours=1)
+            for name in ("r1", "r2"):
+                async with db.hot_sessions() as hot:
+                    inline = await _hot_reads(hot, name, ids[name], lock)
+                async with db.sessions() as thread:
+                    assert await _hot_reads(thread, name, ids[name], lock) == inline
         assert executed == []
+    finally:
+        await db.close()
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("postgres-redis", marks=[pytest.mark.postgres, pytest.mark.redis])],
+    indirect=True,
+)
+async def test_postgres_core_statements_on_asyncpg_read_and_write_what_sqlalchemy_does(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hot path's Core statements, compiled once and run on asyncpg (`pg_direct`): each read
+    gives the values SQLAlchemy gives, and each write stores the same values, written once through
+    either (run r1's on asyncpg, r2's through SQLAlchemy, the adapter hidden)."""
+    async with serve_app(backend.settings(), ADMIN_TOKEN) as (_app, client):
+        await setup_pool(client, questions=4, runs=("r1", "r2"))
+        for run in ("r1", "r2"):
+            r = await client.put(f"/v1/pools/p1/runs/{run}/lease", json={"holder": "t", "ttl_s": 600})
+            assert r.status_code == 200, r.text
+    db = Database(backend.database_url)
+    direct: list[str] = []
+    fetch_all, execute = pg_direct.fetch_all, pg_direct.execute
+
+    async def counted_fetch(adapt: Any, sql: str, *args: Any) -> Any:
+        direct.append(sql)
+        return await fetch_all(adapt, sql, *args)
+
+    async def counted_execute(adapt: Any, sql: str, *args: Any, **kw: Any) -> Any:
+        direct.append(sql)
+        return await execute(adapt, sql, *args, **kw)
+
+    monkeypatch.setattr(pg_direct, "fetch_all", counted_fetch)
+    monkeypatch.setattr(pg_direct, "execute", counted_execute)
+    adapter = pg_direct.adapter
+    try:
+        ids: dict[str, int] = {}
+        for name, hidden in (("r1", False), ("r2", True)):
+            monkeypatch.setattr(pg_direct, "adapter", (lambda _c: None) if hidden else adapter)
+            direct.clear()
+            async with db.sessions() as session, session.begin():
+                ids[name] = await _hot_writes(session, name)
+            # every one of them on asyncpg but the lease row (its float column) and the batch's
+            # insert, or none
+            assert len(direct) == (0 if hidden else 9), direct
+        await _stored_alike(db, ids, "")
+        keys = await _raw(db, "SELECT status_code, response, request_hash, created_at FROM idempotency_key")
+        assert keys == [(201, {"ok": [1, None]}, "h", AT)] * 2
+        for lock in (False, True):
+            for name in ("r1", "r2"):
+                # one after the other: with `lock` the first holds its rows until it ends
+                monkeypatch.setattr(pg_direct, "adapter", adapter)
+                direct.clear()
+                async with db.sessions() as a, a.begin():
+                    on_asyncpg = await _hot_reads(a, name, ids[name], lock)
+                assert direct, "the reads ran on asyncpg"
+                monkeypatch.setattr(pg_direct, "adapter", lambda _c: None)
+                direct.clear()
+                async with db.sessions() as b, b.begin():
+                    assert await _hot_reads(b, name, ids[name], lock) == on_asyncpg
+                assert direct == []
     finally:
         await db.close()
 

@@ -285,10 +285,10 @@ class _Compiled(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)  # keyed by the statement object: only statements built once
-def _compiled_sqlite(stmt: Any, dialect: Any, keys: tuple[str, ...] | None) -> _Compiled | None:
-    """`stmt` compiled once for a SQLite dialect (`keys`: the columns an INSERT or UPDATE sets,
-    given as parameters), or None where SQLAlchemy must run it: a Python-side default or
-    onupdate to compute, an expanding IN, a RETURNING."""
+def _compiled_once(stmt: Any, dialect: Any, keys: tuple[str, ...] | None) -> _Compiled | None:
+    """`stmt` compiled once for a dialect (`keys`: the columns an INSERT or UPDATE sets, given as
+    parameters), or None where SQLAlchemy must run it: a Python-side default or onupdate to
+    compute, an expanding IN, a RETURNING."""
     compiled = stmt.compile(dialect=dialect, column_keys=None if keys is None else list(keys))
     if (
         any(getattr(compiled, a, None) for a in ("insert_prefetch", "update_prefetch", "postfetch"))
@@ -301,10 +301,13 @@ def _compiled_sqlite(stmt: Any, dialect: Any, keys: tuple[str, ...] | None) -> _
     params = [compiled.binds[n] for n in names]
     results: list[Callable[[Any], Any] | None] = []
     for col in getattr(stmt, "selected_columns", ()):
-        if isinstance(col.type, UTCDateTime):
+        if isinstance(col.type, UTCDateTime) and dialect.name == "sqlite":
             results.append(_sqlite_stamp)
-        else:
+            continue
+        try:
             results.append(col.type.dialect_impl(dialect).result_processor(dialect, None))
+        except Exception:  # it needs the driver's type of the column (asyncpg's numbers)
+            return None
     return _Compiled(
         sql=compiled.string,
         names=names,
@@ -318,13 +321,21 @@ async def _core_rows(session: AsyncSession, stmt: Any, params: dict[str, Any]) -
     """The rows of a Core statement built once (cached), as tuples of the values SQLAlchemy
     gives. On the hot path's SQLite connections compiled once and run on `sqlite3` (through
     SQLAlchemy a small statement cost ~0.1-0.2 ms more: the session's execution, its context,
-    the greenlet hops, a Row per row); elsewhere through the session."""
+    the greenlet hops, a Row per row), on Postgres on asyncpg (`pg_direct`); else, or where
+    SQLAlchemy must run it, through the session."""
     conn = await _connection(session)
     inline = _inline_sqlite(conn)
-    compiled = None if inline is None else _compiled_sqlite(stmt, conn.dialect, None)
-    if inline is None or compiled is None:
+    adapt = None if inline is not None else _asyncpg(conn)
+    compiled = None if inline is None and adapt is None else _compiled_once(stmt, conn.dialect, None)
+    if compiled is None:
         return (await session.execute(stmt, params)).all()
     args = compiled.args(params)
+    if inline is None:
+        try:
+            rows = await pg_direct.fetch_all(adapt, compiled.sql, args, _schema_stamp(conn))
+        except Exception as e:
+            await _pg_failed(conn, adapt, compiled.sql, args, e)
+        return compiled.rows(rows)
     try:
         rows = await sqlite_inline.fetch_all(inline, compiled.sql, args)
     except sqlite3.Error as e:
@@ -339,11 +350,18 @@ async def _core_write(
     `params` (its other parameters: its own bound names), as `_core_rows` runs a read."""
     conn = await _connection(session)
     inline = _inline_sqlite(conn)
-    compiled = None if inline is None else _compiled_sqlite(stmt, conn.dialect, keys)
-    if inline is None or compiled is None:
+    adapt = None if inline is not None else _asyncpg(conn)
+    compiled = None if inline is None and adapt is None else _compiled_once(stmt, conn.dialect, keys)
+    if compiled is None:
         await session.execute(stmt, params)
         return
     args = compiled.args(params)
+    if inline is None:
+        try:
+            await pg_direct.execute(adapt, compiled.sql, args, _schema_stamp(conn))
+        except Exception as e:
+            await _pg_failed(conn, adapt, compiled.sql, args, e)
+        return
     try:
         await sqlite_inline.execute(inline, compiled.sql, args)
     except sqlite3.Error as e:
