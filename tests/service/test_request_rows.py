@@ -179,15 +179,10 @@ async def test_statements_per_request(backend: Backend) -> None:
     # metrics, batch, answer; ingest: key, run (+ lease), questions, states, state upsert,
     # trajectories, answer; select: run, states, candidates, prompts
     assert counts == {"plan": 9 + pg, "commit": 9 + pg, "ingest": 7 + pg, "select": 4}, counts
-    if not pg:
-        # SQLite's inline driver runs every one of them on `sqlite3` itself
-        assert through_sqlalchemy == {name: [] for name in counts}, through_sqlalchemy
-    # on Postgres the statements run on asyncpg itself (the installed SQLAlchemy's adapter has what
-    # `pg_direct` uses), but for those SQLAlchemy must run: a lease row (its float column's
-    # processor needs the driver's type), the commit's batch row, the state upsert and the
-    # trajectories' insert (its RETURNING)
-    driver = {"plan": 9, "commit": 7, "ingest": 5, "select": 4}
-    assert on_asyncpg == (driver if pg else dict.fromkeys(counts, 0)), (on_asyncpg, through_sqlalchemy)
+    # SQLite's inline driver runs every one of them on `sqlite3` itself; on Postgres they run on
+    # asyncpg itself (the installed SQLAlchemy's adapter has what `pg_direct` uses)
+    assert through_sqlalchemy == {name: [] for name in counts}, through_sqlalchemy
+    assert on_asyncpg == (counts if pg else dict.fromkeys(counts, 0)), on_asyncpg
 
 
 async def test_pool_stats_read_every_run_in_the_same_statements(backend: Backend) -> None:

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, NoReturn, cast
 import numpy as np
 from sqlalchemy import (
     ColumnElement,
+    Float,
     LargeBinary,
     Select,
     Table,
@@ -306,8 +307,11 @@ def _compiled_once(stmt: Any, dialect: Any, keys: tuple[str, ...] | None) -> _Co
             continue
         try:
             results.append(col.type.dialect_impl(dialect).result_processor(dialect, None))
-        except Exception:  # it needs the driver's type of the column (asyncpg's numbers)
-            return None
+        except TypeError:  # it needs the driver's type of the column (asyncpg's numbers)
+            if not isinstance(col.type, Float) or col.type.asdecimal or col.type.precision is not None:
+                return None
+            # a FLOAT column is double precision, which the driver reads as a Python float
+            results.append(None)
     return _Compiled(
         sql=compiled.string,
         names=names,
@@ -855,8 +859,7 @@ async def upsert_decided_states(session: AsyncSession, rows: list[dict[str, Any]
         # (a statement per row fired them per row: ~0.2 ms each at 128 rows a commit); in one
         # order for every writer, so two writers of the same states wait instead of deadlocking
         rows = sorted(rows, key=itemgetter("scope", "question_id"))
-        columns = tuple([r[c] for r in rows] for c in _STATE_ARRAY_TYPES)
-        await conn.exec_driver_sql(_STATES_UPSERT_PG, columns)
+        await _driver_write(conn, _STATES_UPSERT_PG, [[r[c] for r in rows] for c in _STATE_ARRAY_TYPES])
         return
     # otherwise (SQLite; a question twice on Postgres, which one INSERT cannot upsert twice) one
     # prepared statement run for every row in their order, a later row of a question upserting
@@ -1020,8 +1023,9 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
         return 0
     conn = await _connection(session)
     if conn.dialect.name == "postgresql":
-        columns = tuple([r[c] for r in rows] for c in _TRAJECTORY_COLUMNS)
-        return int((await conn.exec_driver_sql(_TRAJECTORIES_INSERT_PG, columns)).scalar_one())
+        q = _Sql(conn)
+        q.args.extend([r[c] for r in rows] for c in _TRAJECTORY_COLUMNS)
+        return int((await _driver_rows(conn, _TRAJECTORIES_INSERT_PG, q))[0][0])
     # bound as SQLAlchemy binds the columns (the timestamps in their text form, once each)
     bind = _bound(conn, _traj_t, _TRAJECTORY_COLUMNS)
     get = itemgetter(*_TRAJECTORY_COLUMNS)
