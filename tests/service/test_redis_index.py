@@ -155,6 +155,22 @@ async def test_a_plan_and_a_select_take_two_redis_round_trips(backend: Backend) 
 
 
 @pytest.mark.parametrize("backend", ["postgres-redis"], indirect=True)
+async def test_the_index_reads_redis_replies_with_hiredis(backend: Backend) -> None:
+    """The service's Redis connections parse replies with hiredis (a dependency of the server),
+    and the index answers through them."""
+    async with _serve(backend) as (client, ctx):
+        await setup_pool(client, questions=64, phase="mixed")
+        for _ in range(2):
+            plan = await plan_batch(client)
+            ok(await commit_batch(client, plan, make_groups(plan, correct_first(lambda q: 2))))
+        assert ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 1}))["replay"]
+        pool: Any = ctx.index._r.connection_pool  # type: ignore[attr-defined]
+        used = [*pool._available_connections, *pool._in_use_connections]
+        assert used, "the selection used a connection"
+        assert all("Hiredis" in type(c._parser).__name__ for c in used), [type(c._parser) for c in used]
+
+
+@pytest.mark.parametrize("backend", ["postgres-redis"], indirect=True)
 async def test_prepare_drops_bucket_keys_of_the_layout_without_a_bucket_set_once(
     backend: Backend, redis_client: redis.Redis
 ) -> None:
