@@ -136,25 +136,25 @@ class _Sql:
         return f"IN ({', '.join('?' * len(values))})"
 
 
-async def _driver_rows(conn: AsyncConnection, sql: str, q: _Sql) -> Sequence[Any]:
+async def _driver_rows(conn: AsyncConnection, sql: str, args: Sequence[Any]) -> Sequence[Any]:
     """The rows of a driver statement, as tuples. On the hot path's SQLite connections (called
     from the event loop, `sqlite_inline`) straight from `sqlite3`: through SQLAlchemy a statement
     cost ~0.1 ms more and a read of ~400 trajectories ~0.8 ms more (its execution context, the
-    greenlet hops, a Row per row), 5-8% of a plan's or a selection's CPU. Its errors are
-    SQLAlchemy's all the same."""
+    greenlet hops, a Row per row), 5-8% of a plan's or a selection's CPU; on Postgres on asyncpg
+    (`pg_direct`). Its errors are SQLAlchemy's all the same."""
     inline = _inline_sqlite(conn)
     if inline is None:
         adapt = _asyncpg(conn)
         if adapt is None:
-            return (await conn.exec_driver_sql(sql, tuple(q.args))).all()
+            return (await conn.exec_driver_sql(sql, tuple(args))).all()
         try:
-            return await pg_direct.fetch_all(adapt, sql, q.args, _schema_stamp(conn))
+            return await pg_direct.fetch_all(adapt, sql, args, _schema_stamp(conn))
         except Exception as e:
-            await _pg_failed(conn, adapt, sql, q.args, e)
+            await _pg_failed(conn, adapt, sql, args, e)
     try:
-        return await sqlite_inline.fetch_all(inline, sql, q.args)
+        return await sqlite_inline.fetch_all(inline, sql, args)
     except sqlite3.Error as e:
-        raise DBAPIError.instance(sql, q.args, e, sqlite3.Error) from e
+        raise DBAPIError.instance(sql, args, e, sqlite3.Error) from e
 
 
 def _asyncpg(conn: AsyncConnection) -> Any | None:
@@ -272,7 +272,7 @@ class _Compiled(NamedTuple):
                 out[i] = p(out[i])
         return out
 
-    def rows(self, rows: list[Any]) -> list[Any]:
+    def rows(self, rows: Sequence[Any]) -> Sequence[Any]:
         procs = [(i, p) for i, p in enumerate(self.results) if p is not None]
         if not procs:
             return rows
@@ -321,30 +321,24 @@ def _compiled_once(stmt: Any, dialect: Any, keys: tuple[str, ...] | None) -> _Co
     )
 
 
+def _direct(conn: AsyncConnection) -> bool:
+    """Whether `conn` runs driver statements without SQLAlchemy (`_driver_rows`, `_driver_write`):
+    the hot path's SQLite connections, or Postgres through an adapter `pg_direct` can use."""
+    return _inline_sqlite(conn) is not None or _asyncpg(conn) is not None
+
+
 async def _core_rows(session: AsyncSession, stmt: Any, params: dict[str, Any]) -> Sequence[Any]:
     """The rows of a Core statement built once (cached), as tuples of the values SQLAlchemy
-    gives. On the hot path's SQLite connections compiled once and run on `sqlite3` (through
+    gives. Where the connection runs driver statements itself (`_direct`: `sqlite3` on the hot
+    path's SQLite connections, asyncpg on Postgres) compiled once and run as one (through
     SQLAlchemy a small statement cost ~0.1-0.2 ms more: the session's execution, its context,
-    the greenlet hops, a Row per row), on Postgres on asyncpg (`pg_direct`); else, or where
-    SQLAlchemy must run it, through the session."""
+    the greenlet hops, a Row per row); else, or where SQLAlchemy must run it, through the
+    session."""
     conn = await _connection(session)
-    inline = _inline_sqlite(conn)
-    adapt = None if inline is not None else _asyncpg(conn)
-    compiled = None if inline is None and adapt is None else _compiled_once(stmt, conn.dialect, None)
+    compiled = _compiled_once(stmt, conn.dialect, None) if _direct(conn) else None
     if compiled is None:
         return (await session.execute(stmt, params)).all()
-    args = compiled.args(params)
-    if inline is None:
-        try:
-            rows = await pg_direct.fetch_all(adapt, compiled.sql, args, _schema_stamp(conn))
-        except Exception as e:
-            await _pg_failed(conn, adapt, compiled.sql, args, e)
-        return compiled.rows(rows)
-    try:
-        rows = await sqlite_inline.fetch_all(inline, compiled.sql, args)
-    except sqlite3.Error as e:
-        raise DBAPIError.instance(compiled.sql, args, e, sqlite3.Error) from e
-    return compiled.rows(rows)
+    return compiled.rows(await _driver_rows(conn, compiled.sql, compiled.args(params)))
 
 
 async def _core_write(
@@ -353,23 +347,11 @@ async def _core_write(
     """Run a Core INSERT or UPDATE built once (cached) that sets the columns `keys` from
     `params` (its other parameters: its own bound names), as `_core_rows` runs a read."""
     conn = await _connection(session)
-    inline = _inline_sqlite(conn)
-    adapt = None if inline is not None else _asyncpg(conn)
-    compiled = None if inline is None and adapt is None else _compiled_once(stmt, conn.dialect, keys)
+    compiled = _compiled_once(stmt, conn.dialect, keys) if _direct(conn) else None
     if compiled is None:
         await session.execute(stmt, params)
         return
-    args = compiled.args(params)
-    if inline is None:
-        try:
-            await pg_direct.execute(adapt, compiled.sql, args, _schema_stamp(conn))
-        except Exception as e:
-            await _pg_failed(conn, adapt, compiled.sql, args, e)
-        return
-    try:
-        await sqlite_inline.execute(inline, compiled.sql, args)
-    except sqlite3.Error as e:
-        raise DBAPIError.instance(compiled.sql, args, e, sqlite3.Error) from e
+    await _driver_write(conn, compiled.sql, compiled.args(params))
 
 
 @functools.cache
@@ -731,7 +713,7 @@ async def question_prompts(session: AsyncSession, ids: Sequence[int]) -> dict[in
     for chunk in _chunks(sorted(set(ids))):
         q = _Sql(conn)
         sql = f"SELECT id, prompt, ground_truth, data_source FROM question WHERE id {q.ids(chunk)}"
-        for qid, value, truth, source in await _driver_rows(conn, sql, q):
+        for qid, value, truth, source in await _driver_rows(conn, sql, q.args):
             out[qid] = _Prompt(qid, value if prompt is None else prompt(value), truth, source)
     return out
 
@@ -750,7 +732,7 @@ async def questions_in_pool(session: AsyncSession, pool_id: int, ids: Sequence[i
     for chunk in _chunks(sorted(set(ids))):
         q = _Sql(conn)
         sql = f"SELECT id FROM question WHERE pool_id = {q.arg(pool_id)} AND id {q.ids(chunk)}"
-        out.update(int(qid) for (qid,) in await _driver_rows(conn, sql, q))
+        out.update(int(qid) for (qid,) in await _driver_rows(conn, sql, q.args))
     return out
 
 
@@ -841,7 +823,7 @@ async def get_states(
             "SELECT question_id, bucket, retired FROM run_question "
             f"WHERE scope = {q.arg(scope)} AND question_id {q.ids(chunk)}"
         )
-        for qid, bucket, retired in await _driver_rows(conn, sql, q):
+        for qid, bucket, retired in await _driver_rows(conn, sql, q.args):
             out[int(qid)] = (bucket, bool(retired))
     return out
 
@@ -1023,9 +1005,8 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
         return 0
     conn = await _connection(session)
     if conn.dialect.name == "postgresql":
-        q = _Sql(conn)
-        q.args.extend([r[c] for r in rows] for c in _TRAJECTORY_COLUMNS)
-        return int((await _driver_rows(conn, _TRAJECTORIES_INSERT_PG, q))[0][0])
+        columns = [[r[c] for r in rows] for c in _TRAJECTORY_COLUMNS]
+        return int((await _driver_rows(conn, _TRAJECTORIES_INSERT_PG, columns))[0][0])
     # bound as SQLAlchemy binds the columns (the timestamps in their text form, once each)
     bind = _bound(conn, _traj_t, _TRAJECTORY_COLUMNS)
     get = itemgetter(*_TRAJECTORY_COLUMNS)
@@ -1099,7 +1080,7 @@ async def _trajectory_rows(session: AsyncSession, names: list[str], where: str, 
     conn = await _connection(session)
     sql = f"SELECT {', '.join(names)} FROM trajectory WHERE {where} ORDER BY id"
     make = _trajectory_row(tuple(names))._make
-    rows = await _driver_rows(conn, sql, q)
+    rows = await _driver_rows(conn, sql, q.args)
     stamp = _stamp(conn) if "created_at" in names else None
     if stamp is None:
         return [make(r) for r in rows]
@@ -1116,7 +1097,7 @@ async def delete_trajectories(session: AsyncSession, scope: int, qids: Sequence[
         sql = (
             f"DELETE FROM trajectory WHERE scope = {q.arg(scope)} AND question_id {q.ids(chunk)} RETURNING id"
         )
-        removed += len(await _driver_rows(conn, sql, q))
+        removed += len(await _driver_rows(conn, sql, q.args))
     return removed
 
 
