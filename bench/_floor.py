@@ -654,14 +654,31 @@ class Floor:
             )
             return len(got)
         conn = self.db.conn  # type: ignore[attr-defined]
-        # the rows the statement inserted (a conflict inserts none); the connection's total
-        # would count the tallies' trigger writes too
+        last = conn.execute("SELECT max(id) FROM trajectory").fetchone()[0] or 0
+        # the rows the statement inserted (a conflict inserts none)
         cur = conn.executemany(
             f"INSERT INTO trajectory ({cols}) VALUES ({_in(13)}) "
             "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING",
             rows,
         )
-        return int(cur.rowcount)
+        stored = int(cur.rowcount)
+        # the trajectory tally, as the service keeps it on SQLite (no row trigger since migration
+        # 0013): one update per cell, counted from the rows sent when all were new
+        if stored == len(rows):
+            cells = [(rows[0][1], rows[0][3] or 0, stored, sum(r[8] for r in rows))]
+        else:
+            cells = conn.execute(
+                "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM trajectory "
+                "WHERE id > ? GROUP BY 1, 2",
+                (last,),
+            ).fetchall()
+        for pool, run, n, tokens in cells:
+            conn.execute(
+                "UPDATE OR IGNORE trajectory_tally SET n = n + ?, tokens = tokens + ? "
+                "WHERE pool_id = ? AND run_id = ?",
+                (n, tokens, pool, run),
+            )
+        return stored
 
 
 def _result(batch_id: str | None, run: str, step: int, phase: str, a: dict[str, Any]) -> dict[str, Any]:

@@ -588,10 +588,10 @@ def _unnest(types: Iterable[str]) -> str:
     return ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(types))
 
 
-#: Postgres: the trajectory tally's rows of every stored trajectory, for a database whose
-#: trajectories were loaded without `insert_trajectories` (which counts its own: there is no INSERT
-#: trigger on `trajectory` on Postgres, migration 0010) into an empty trajectory tally
-TALLY_TRAJECTORIES_PG = _recount(trajectory_tally)
+#: the trajectory tally's rows of every stored trajectory, for a database whose trajectories were
+#: loaded without `insert_trajectories` (which counts its own: there is no INSERT trigger on
+#: `trajectory`, migrations 0010 and 0013) into an empty trajectory tally
+TALLY_TRAJECTORIES = _recount(trajectory_tally)
 
 
 async def fold_tallies(session: AsyncSession) -> int:
@@ -991,13 +991,27 @@ _TRAJECTORY_INSERT_SQLITE = (
     f"INSERT INTO trajectory ({', '.join(_TRAJECTORY_COLUMNS)}) "
     f"VALUES ({', '.join('?' * len(_TRAJECTORY_COLUMNS))}) {_TRAJECTORY_CONFLICT}"
 )
+#: SQLite: the largest trajectory id, and the tally's cells of the trajectories above an id
+_LAST_TRAJECTORY_SQLITE = "SELECT max(id) FROM trajectory"
+_COUNTED_AFTER_SQLITE = (
+    "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM trajectory "
+    "WHERE id > ? GROUP BY 1, 2"
+)
+#: SQLite: add (n, tokens) to a cell of the trajectory tally, which holds one row per cell there
+_CELL_SQLITE = "pool_id = ? AND run_id = ?"
+_BUMP_SQLITE = f"UPDATE OR IGNORE trajectory_tally SET n = n + ?, tokens = tokens + ? WHERE {_CELL_SQLITE}"
+_ADD_CELL_SQLITE = (
+    "INSERT OR IGNORE INTO trajectory_tally (pool_id, run_id, n, tokens) SELECT ?, ?, ?, ? "
+    f"WHERE NOT EXISTS (SELECT 1 FROM trajectory_tally WHERE {_CELL_SQLITE})"
+)
 
 
 async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]]) -> int:
     """Insert trajectories, skipping those their scope already holds (same dedup key); returns
-    how many were new. One driver statement per request: on Postgres one INSERT over arrays
-    (`unnest`), on SQLite one prepared INSERT run for every row (the driver's executemany), so
-    no per-row statement building in SQLAlchemy."""
+    how many were new, counted in the trajectory tally. One driver statement per request: on
+    Postgres one INSERT over arrays (`unnest`) that also adds the tally rows of what it stored, on
+    SQLite one prepared INSERT run for every row (the driver's executemany), then a tally update
+    per cell (no row trigger: migration 0013); no per-row statement building in SQLAlchemy."""
     # one order for every writer (stable: a question's rollouts keep theirs), so two transactions
     # inserting the same trajectories wait for each other instead of deadlocking
     rows = sorted(rows, key=lambda r: r["question_id"])
@@ -1011,8 +1025,24 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
     bind = _bound(conn, _traj_t, _TRAJECTORY_COLUMNS)
     get = itemgetter(*_TRAJECTORY_COLUMNS)
     values = [bind(get(r)) for r in rows]
+    # a new row's id is the largest one's + 1 (SQLite's rowid), and the transaction holds the
+    # file's write lock: what this insert stored is what lies above the largest id before it
+    last = (await _driver_rows(conn, _LAST_TRAJECTORY_SQLITE, ()))[0][0]
     # the driver sums the rows each parameter set inserted (a conflict inserts none)
-    return await _driver_write(conn, _TRAJECTORY_INSERT_SQLITE, values, many=True)
+    stored = await _driver_write(conn, _TRAJECTORY_INSERT_SQLITE, values, many=True)
+    cells: dict[tuple[int, int], list[int]] = {}
+    if stored == len(rows):  # every row new (the usual case): counted from the rows sent
+        for r in rows:
+            cell = cells.setdefault((r["pool_id"], r["source_run_id"] or 0), [0, 0])
+            cell[0] += 1
+            cell[1] += r["num_tokens"]
+    elif stored:
+        for pool, run, n, tokens in await _driver_rows(conn, _COUNTED_AFTER_SQLITE, (last or 0,)):
+            cells[(int(pool), int(run))] = [int(n), int(tokens)]
+    for (pool, run), (n, tokens) in cells.items():
+        await _driver_write(conn, _BUMP_SQLITE, (n, tokens, pool, run))
+        await _driver_write(conn, _ADD_CELL_SQLITE, (pool, run, n, tokens, pool, run))
+    return stored
 
 
 async def trajectories_of(
