@@ -1040,8 +1040,8 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
         for pool, run, n, tokens in await _driver_rows(conn, _COUNTED_AFTER_SQLITE, (last or 0,)):
             cells[(int(pool), int(run))] = [int(n), int(tokens)]
     for (pool, run), (n, tokens) in cells.items():
-        await _driver_write(conn, _BUMP_SQLITE, (n, tokens, pool, run))
-        await _driver_write(conn, _ADD_CELL_SQLITE, (pool, run, n, tokens, pool, run))
+        if not await _driver_write(conn, _BUMP_SQLITE, (n, tokens, pool, run)):  # a new cell
+            await _driver_write(conn, _ADD_CELL_SQLITE, (pool, run, n, tokens, pool, run))
     return stored
 
 
