@@ -202,10 +202,15 @@ class Floor:
             self.index[rid] = index
 
     # ---------------------------------------------------------------------------------- shared
-    async def _idempotent(self, key: str | None, route: str, body: bytes) -> None:
+    async def _idempotent(
+        self, key: str | None, route: str, body: bytes, content: bytes | None = None
+    ) -> None:
+        """`content`: a digest of what the request asks for, hashed instead of its body (a commit's,
+        made from its batch digest, as the service does: the payload hashed once)."""
         if key is None:
             return
-        digest = hashlib.sha256(route.encode() + b"\n" + body).hexdigest()
+        hashed = body if content is None else b"content:" + content
+        digest = hashlib.sha256(route.encode() + b"\n" + hashed).hexdigest()
         hkey = hashlib.sha256(f"{route}\n{key}".encode()).hexdigest()
         if await self.db.fetch("SELECT 1 FROM idempotency_key WHERE key = ? AND principal = ?", hkey, "anon"):
             raise Refused(409, "key in use")
@@ -444,7 +449,8 @@ class Floor:
         if payloads is not None:
             digest.update(payloads.token_ids)
             digest.update(payloads.logprobs)
-        await self._idempotent(key, route, raw)
+        rest = orjson.dumps({"metrics": body.get("metrics"), "with_stats": body.get("with_stats")})
+        await self._idempotent(key, route, raw, digest.hexdigest().encode() + b" " + rest)
         found = await self.db.fetch(
             "SELECT run_id, step, status, phase, policy_version, plan FROM batch WHERE id = ?", batch_id
         )

@@ -27,6 +27,9 @@ from service.factories import (
 )
 from service.harness import ADMIN_TOKEN, Backend, bearer, db_rows, serve
 
+from exgrpo_client import schemas as s
+from exgrpo_pool.service import convert
+
 from .procs import FAULT_HEADER, FAULT_TRIALS, ServiceProcess, service_env
 
 pytestmark = pytest.mark.faults
@@ -177,17 +180,33 @@ async def test_an_idempotent_write_that_fails_records_nothing(backend: Backend) 
 
 async def test_a_recorded_key_holds_the_hash_of_its_request(backend: Backend) -> None:
     """The request's hash is computed beside the write and written with its answer: what is
-    committed is the hash of the route and the body as sent, whatever the write did meanwhile."""
+    committed is the hash of the route and the body as sent, whatever the write did meanwhile; for
+    a commit, of the route and its content digest (its batch digest, made from the payload as
+    decoded, and the rest of its body), so that its payload is hashed once."""
     async with serve(backend.settings()) as client:
         await setup_pool(client, phase="mixed")
-        plan = await plan_batch(client)
+        plan_path = "/v1/pools/p1/runs/r1/batches"
+        plan_raw = b"{}"
+        r = await client.post(
+            plan_path, content=plan_raw, headers={**_keyed("hashed-plan"), "content-type": "application/json"}
+        )
+        plan = r.json()
         body = make_groups(plan, correct_first(lambda q: 2))
         raw = json.dumps(body).encode()
         path = f"/v1/pools/p1/batches/{plan['id']}/commit"
         headers = {**_keyed("hashed-commit"), "content-type": "application/json"}
         assert (await client.post(path, content=raw, headers=headers)).status_code == 200
         stored = await db_rows(backend.database_url, "SELECT route, request_hash FROM idempotency_key")
-        expected = hashlib.sha256(f"POST {path}\n".encode() + raw).hexdigest()
+        assert (
+            f"POST {plan_path}",
+            hashlib.sha256(f"POST {plan_path}\n".encode() + plan_raw).hexdigest(),
+        ) in stored
+        model = s.BatchCommit.model_validate(body, strict=False)
+        convert.predecode(model.groups)
+        content = (
+            f"{convert.commit_digest(model)} {model.model_dump_json(exclude={'groups', 'policy_version'})}"
+        )
+        expected = hashlib.sha256(f"POST {path}\ncontent:{content}".encode()).hexdigest()
         assert (f"POST {path}", expected) in stored
         # and a replay with another body under the key is still told apart
         other = make_groups(plan, correct_first(lambda q: 1))

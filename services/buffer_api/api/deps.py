@@ -195,11 +195,16 @@ class Idempotency:
         resolve: Callable[[dict[str, Any]], Awaitable[object]] | None = None,
         respond: Responder | None = None,
         group: Hashable | None = None,
+        content: Callable[[], Awaitable[str]] | None = None,
     ) -> Any:
         """`reference`/`resolve`: remember a small reference instead of a large response body (a
         batch plan), and rebuild the response from it on a replay. `respond`: how an answer is
         written (JSON by default; a binary frame where the client asked for one). `group`: the
-        write may share its transaction with others of the same key (`Database.transaction`)."""
+        write may share its transaction with others of the same key (`Database.transaction`).
+        `content`: gives a digest of everything the request asks for, which the key's record keeps
+        (with the route) instead of a hash of the body's bytes: a commit's, made from its batch
+        digest, so its payload is hashed once, and the same commit in another encoding is the
+        same request. A record of the body's bytes (written before) still replays them."""
         write: Responder = respond or json_response
         if self.key is None:
             if group is None:
@@ -211,7 +216,10 @@ class Idempotency:
         route = f"{self.request.method} {self.request.url.path}"
         # hashed in a thread beside the write (megabytes for a commit): the hash is needed when the
         # key's record is completed, or to compare with a record found
-        digest = in_thread(lambda: request_hash(route, body))
+        if content is None:
+            digest: Awaitable[str] = in_thread(lambda: request_hash(route, body))
+        else:
+            digest = _settled(asyncio.ensure_future(_content_hash(route, content())))
         for attempt in range(self.ATTEMPTS):
             # a new key (the usual case) goes straight to the write, whose first statement records
             # it (one transaction, one connection); a key already recorded fails there, and its
@@ -219,6 +227,9 @@ class Idempotency:
             if attempt > 0:
                 cached = await self._lookup()
                 if cached is not None:
+                    if content is not None and cached.request_hash != await digest:
+                        # a record of the body's bytes, written before requests had a content digest
+                        digest = in_thread(lambda: request_hash(route, body))
                     return await self._replay(cached, digest, resolve, write)
             try:
                 return await self._first(fn, status_code, route, digest, reference, write, group)
@@ -231,7 +242,7 @@ class Idempotency:
         fn: Callable[[], Awaitable[object]],
         status_code: int,
         route: str,
-        digest: asyncio.Future[str],
+        digest: Awaitable[str],
         reference: Callable[[Any], dict[str, Any]] | None,
         respond: Responder,
         group: Hashable | None,
@@ -266,7 +277,7 @@ class Idempotency:
     async def _replay(
         self,
         cached: IdempotencyKey,
-        digest: asyncio.Future[str],
+        digest: Awaitable[str],
         resolve: Callable[[dict[str, Any]], Awaitable[object]] | None,
         respond: Responder,
     ) -> Any:
@@ -283,6 +294,18 @@ class Idempotency:
     async def _lookup(self) -> IdempotencyKey | None:
         async with self.ctx.db.read() as session:
             return await repo.get_idempotent(session, self.key or "", self.principal.name)
+
+
+async def _content_hash(route: str, content: Awaitable[str]) -> str:
+    """What a key's record keeps of a request with a content digest: the route's and the digest's
+    hash, told apart from a body's hash by its prefix."""
+    return request_hash(route, b"content:" + (await content).encode())
+
+
+def _settled(task: asyncio.Future[str]) -> asyncio.Future[str]:
+    """`task`, whose failure (if the request ends before it awaits it) is retrieved and dropped."""
+    task.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return task
 
 
 def request_hash(route: str, body: bytes) -> str:

@@ -6,6 +6,7 @@ import contextvars
 import functools
 import hashlib
 import json
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -124,6 +125,14 @@ def commit_digest(req: s.BatchCommit) -> str:
     return hashlib.sha256(b"".join(parts)).hexdigest()
 
 
+async def commit_request(req: s.BatchCommit, digest: Awaitable[str]) -> str:
+    """A commit request's content digest (`Idempotency.run`'s `content`): its commit digest and
+    the rest of its body (metrics, with_stats) as JSON. Two commits with the same content digest
+    ask for the same thing, whatever their encodings."""
+    rest = req.model_dump_json(exclude={"groups", "policy_version"})
+    return f"{await digest} {rest}"
+
+
 def _legacy_digest(req: s.BatchCommit) -> str:
     """`LEGACY_DIGEST`: the JSON text of the groups and policy version, then the payloads a frame
     carried beside them."""
@@ -144,11 +153,12 @@ def committed_result(batch: AnyBatch) -> s.CommitResult:
     return s.CommitResult.model_validate(answer, strict=False)
 
 
-def same_commit(batch: AnyBatch, req: s.BatchCommit) -> bool:
-    """Whether `req` commits what the committed `batch` was committed with."""
+def same_commit(batch: AnyBatch, req: s.BatchCommit, digest: str | None = None) -> bool:
+    """Whether `req` commits what the committed `batch` was committed with (`digest`: its
+    `commit_digest`, where it is known already)."""
     assert batch.result is not None
     if COMMIT_DIGEST in batch.result:
-        return bool(batch.result[COMMIT_DIGEST] == commit_digest(req))
+        return bool(batch.result[COMMIT_DIGEST] == (digest or commit_digest(req)))
     if LEGACY_DIGEST in batch.result:
         return bool(batch.result[LEGACY_DIGEST] == _legacy_digest(req))
     return True

@@ -20,7 +20,9 @@ from exgrpo_pool.api.deps import (
     WritePoolName,
 )
 from exgrpo_pool.api.wire import FrameRoute, WireDep, frame_answer, frame_body
+from exgrpo_pool.offload import in_thread
 from exgrpo_pool.service import batches, tasks
+from exgrpo_pool.service.convert import commit_digest, commit_request
 
 router = APIRouter(prefix="/v1/pools/{pool}", tags=["batches"], route_class=FrameRoute)
 
@@ -51,8 +53,14 @@ async def commit_batch(
     wire: WireDep,
 ) -> object:
     wire.prepare(body)
+    # the payload's bytes hashed once, in a thread beside the write: the batch keeps the commit's
+    # digest, and the key's record a digest made from it
+    digest = in_thread(lambda: commit_digest(body))
     with ctx.db.hot():
-        return await idem.run(lambda: batches.commit_batch(ctx, pool, batch_id, body, lease))
+        return await idem.run(
+            lambda: batches.commit_batch(ctx, pool, batch_id, body, lease, digest),
+            content=lambda: commit_request(body, digest),
+        )
 
 
 @router.get("/batches/{batch_id}/results", response_model=s.BatchResults)
