@@ -491,6 +491,39 @@ async def copy_postgres(dsn: str, template: str, database: str) -> float:
     return time.perf_counter() - t0
 
 
+def warm_sqlite(path: Path, chunk: int = 1 << 24) -> float:
+    """Read a copy's file once, so that its pages are in the OS's page cache as a pool's in use
+    are (the seconds it took)."""
+    t0 = time.perf_counter()
+    with path.open("rb", buffering=0) as f:
+        while f.read(chunk):
+            pass
+    return time.perf_counter() - t0
+
+
+async def warm_postgres(dsn: str, database: str) -> float:
+    """Read every table, index and TOAST relation of a copy once (`pg_prewarm` in `read` mode: into
+    the OS's page cache, not Postgres's buffers), so that it is read as a pool's in use is; without
+    the extension, every trajectory's payload is read by a scan (the seconds it took)."""
+    t0 = time.perf_counter()
+    conn = await asyncpg.connect(pg_url(dsn, database))
+    try:
+        try:
+            await conn.execute("CREATE EXTENSION IF NOT EXISTS pg_prewarm")
+        except asyncpg.PostgresError:
+            await conn.fetchval("SELECT sum(get_byte(token_ids, 0) + get_byte(logprobs, 0)) FROM trajectory")
+        else:
+            await conn.fetchval(
+                "SELECT sum(pg_prewarm(c.oid, 'read')) FROM pg_class c "
+                "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE c.relkind IN ('r', 'i', 't') AND n.nspname IN ('public', 'pg_toast') "
+                "AND pg_relation_filenode(c.oid) IS NOT NULL"
+            )
+    finally:
+        await conn.close()
+    return time.perf_counter() - t0
+
+
 # ---------------------------------------------------------------------- copies to measure on
 class SeededCopy(NamedTuple):
     url: str
