@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError
 
 from exgrpo_client.schemas import NAME_PATTERN
 from exgrpo_pool.errors import BadRequest, Conflict, Forbidden, Unauthorized
-from exgrpo_pool.offload import in_thread
+from exgrpo_pool.offload import in_thread, settled
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.leases import LeaseClaim, parse_lease_header
 from exgrpo_pool.service.pools import load_pool
@@ -219,7 +219,7 @@ class Idempotency:
         if content is None:
             digest: Awaitable[str] = in_thread(lambda: request_hash(route, body))
         else:
-            digest = _settled(asyncio.ensure_future(_content_hash(route, content())))
+            digest = settled(asyncio.ensure_future(_content_hash(route, content())))
         for attempt in range(self.ATTEMPTS):
             # a new key (the usual case) goes straight to the write, whose first statement records
             # it (one transaction, one connection); a key already recorded fails there, and its
@@ -300,12 +300,6 @@ async def _content_hash(route: str, content: Awaitable[str]) -> str:
     """What a key's record keeps of a request with a content digest: the route's and the digest's
     hash, told apart from a body's hash by its prefix."""
     return request_hash(route, b"content:" + (await content).encode())
-
-
-def _settled(task: asyncio.Future[str]) -> asyncio.Future[str]:
-    """`task`, whose failure (if the request ends before it awaits it) is retrieved and dropped."""
-    task.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return task
 
 
 def request_hash(route: str, body: bytes) -> str:

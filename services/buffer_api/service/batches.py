@@ -29,13 +29,11 @@ from exgrpo_pool.domain import (
 )
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
 from exgrpo_pool.index.base import Move, RebuildLost
-from exgrpo_pool.offload import in_thread
 from exgrpo_pool.service.context import Context
 from exgrpo_pool.service.convert import (
     COMMIT_DIGEST,
     Answer,
     RunScopes,
-    commit_digest,
     committed_result,
     rules_for,
     run_overrides,
@@ -522,11 +520,11 @@ async def commit_batch(
     pool_name: str,
     batch_id: str,
     req: s.BatchCommit,
-    lease: LeaseClaim | None = None,
-    digest: Awaitable[str] | None = None,
+    lease: LeaseClaim | None,
+    digest: Awaitable[str],
 ) -> s.CommitResult:
-    """`digest`: `commit_digest(req)`, started already (the route's, which its idempotency
-    record's digest is made from); computed here otherwise."""
+    """`digest`: `commit_digest(req)`, started by the route in a thread (the payload hashed once:
+    its idempotency record's digest is made from it too), awaited beside the writes below."""
     async with ctx.db.write() as session:
         found = await repo.batch_rows(session, pool_name, batch_id, lock=True)
         if found is None:
@@ -534,7 +532,7 @@ async def commit_batch(
         pool, run, batch, lease_row = found
         await check_fence(session, run.id, run.name, lease_row, lease)
         if batch.status == "committed":
-            if not same_commit(batch, req, None if digest is None else await digest):
+            if not same_commit(batch, req, await digest):
                 raise Conflict(
                     f"batch {batch_id} is already committed (step {batch.step}) with other groups; "
                     "a commit is applied once: plan the next batch for new results"
@@ -549,11 +547,6 @@ async def commit_batch(
             )
         plan = stored_plan(batch)
         _check_against_plan(batch.id, plan, req.groups)
-        # the digest hashes every payload byte (~6 ms for 128 x 8 rollouts of 1k tokens): in a
-        # thread, beside the writes below, which give the event loop and the GIL back between
-        # their statements
-        if digest is None:
-            digest = in_thread(lambda: commit_digest(req))
         rules = rules_for(pool, run)
         scopes = scopes_of(pool, run)
         version = batch.policy_version if req.policy_version is None else req.policy_version

