@@ -211,11 +211,54 @@ async def test_pool_stats_read_every_run_in_the_same_statements(backend: Backend
             ok(await commit_batch(client, plan, make_groups(plan, half)))
         with _statements() as seen:
             four = ok(await client.get("/v1/pools/p1/stats"))
-        # pool, the three totals, runs, states, trajectory counts, last batches' replay counts
-        assert len(seen) == alone == 6, (alone, seen)
+        # the pool with its totals, runs, states, trajectory counts, last batches' replay counts
+        assert len(seen) == alone == 5, (alone, seen)
         assert [r["run"] for r in four["runs"]] == ["r1", "r2", "r3", "r4"]
         assert four["runs"][0]["replayed_last_step"] == one["runs"][0]["replayed_last_step"]
         for part in four["runs"]:
             assert part == ok(await client.get(f"/v1/pools/p1/runs/{part['run']}/stats"))
         assert four["num_runs"] == 4 and four["num_trajectories"] > one["num_trajectories"] > 0
         assert four["num_tokens"] > one["num_tokens"] > 0
+
+
+async def test_the_polled_reads_run_on_the_drivers_directly(backend: Backend) -> None:
+    """A run's stats, the pool's stats and a page of questions (what dashboards and the trainers
+    poll) read like the hot path: each statement pinned, none through SQLAlchemy's execution (on
+    SQLite on the event loop's `sqlite3` connection, on Postgres on asyncpg itself), and each
+    answers what it did before."""
+    pg = backend.name.startswith("postgres")
+    half = correct_first(lambda q: 2)
+    async with serve(backend.settings()) as client:
+        await setup_pool(client, phase="mixed", questions=64)
+        for _ in range(2):
+            plan = await plan_batch(client)
+            ok(await commit_batch(client, plan, make_groups(plan, half)))
+        counts: dict[str, int] = {}
+        through_sqlalchemy: dict[str, list[str]] = {}
+        on_asyncpg: dict[str, int] = {}
+        answers: dict[str, Any] = {}
+        paths = {
+            "run stats": "/v1/pools/p1/runs/r1/stats",
+            "pool stats": "/v1/pools/p1/stats",
+            "questions": "/v1/pools/p1/questions?after=3&limit=5",
+        }
+        for name, path in paths.items():
+            with _statements() as seen:
+                answers[name] = ok(await client.get(path))
+            counts[name], through_sqlalchemy[name] = len(seen), seen.through_sqlalchemy
+            on_asyncpg[name] = len(seen.on_asyncpg)
+    # run stats: pool and run, states, trajectory counts, last batch's replays; pool stats: pool
+    # with its totals, runs, states, trajectory counts, last batches' replays; questions: pool, page
+    assert counts == {"run stats": 4, "pool stats": 5, "questions": 2}, counts
+    assert through_sqlalchemy == {name: [] for name in counts}, through_sqlalchemy
+    assert on_asyncpg == (counts if pg else dict.fromkeys(counts, 0)), on_asyncpg
+    stats = answers["run stats"]
+    assert stats["run"] == "r1" and stats["step"] == 2 and stats["replayed_last_step"] > 0
+    assert stats["eligible"] == sum(b["questions"] for b in stats["buckets"]) > 0
+    assert stats["seen"] >= stats["eligible"] + stats["retired"] and stats["trajectories"] > 0
+    assert stats["ingest_per_minute"] == stats["trajectories"] / 5.0
+    assert answers["pool stats"]["runs"] == [stats]
+    assert answers["pool stats"]["num_questions"] == 64 and answers["pool stats"]["num_runs"] == 1
+    page = answers["questions"]
+    assert [q["id"] for q in page["data"]] == [4, 5, 6, 7, 8] and page["next_after"] == 8
+    assert page["count"] == 5 and all(q["pool"] == "p1" and q["prompt"] for q in page["data"])

@@ -25,6 +25,7 @@ from exgrpo_pool.service.convert import (
 from exgrpo_pool.service.leases import (
     LeaseClaim,
     missing_pool,
+    read_run,
     refuse_if_held,
     require_run,
     run_for_write,
@@ -141,9 +142,13 @@ async def import_questions(ctx: Context, pool: Pool, req: s.QuestionsImport) -> 
     )
 
 
-async def list_questions(ctx: Context, pool: Pool, after: int, limit: int) -> s.QuestionsPublic:
+async def list_questions(ctx: Context, pool_name: str, after: int, limit: int) -> s.QuestionsPublic:
+    """A page of the pool's questions (polled: plain rows, on the hot path's connections)."""
     async with ctx.db.read() as session:
-        qs = await repo.list_questions(session, pool.id, after, limit)
+        pool = await repo.pool_row(session, pool_name)
+        if pool is None:
+            raise missing_pool(pool_name)
+        qs = await repo.question_page(session, pool.id, after, limit)
     data = [question_public(q, pool.name) for q in qs]
     return s.QuestionsPublic(data=data, count=len(data), next_after=qs[-1].id if len(qs) == limit else None)
 
@@ -303,16 +308,20 @@ async def list_run_metrics(
 
 
 # ------------------------------------------------------------------------------------- stats
-async def run_stats(ctx: Context, pool: Pool, name: str) -> s.RunStats:
+# (polled by dashboards and trainers: plain rows, on the hot path's connections, bounded work)
+async def run_stats(ctx: Context, pool_name: str, name: str) -> s.RunStats:
     async with ctx.db.read() as session:
-        return await collect_run_stats(ctx, session, pool, await require_run(session, pool, name))
+        pool, run = await read_run(session, pool_name, name)
+        return await collect_run_stats(ctx, session, pool, run)
 
 
-async def pool_stats(ctx: Context, pool: Pool) -> s.PoolStats:
+async def pool_stats(ctx: Context, pool_name: str) -> s.PoolStats:
     async with ctx.db.read() as session:
-        nq, nt, nr, tokens = await repo.pool_totals(session, pool.id)
-        all_runs = await repo.list_runs(session, pool.id)
-        runs = await collect_runs_stats(ctx, session, pool, all_runs)
+        found = await repo.pool_with_totals(session, pool_name)
+        if found is None:
+            raise missing_pool(pool_name)
+        pool, (nq, nt, nr, tokens) = found
+        runs = await collect_runs_stats(ctx, session, pool, await repo.run_rows_of_pool(session, pool.id))
     ctx.metrics.pool_questions.labels(pool.name).set(nq)
     ctx.metrics.pool_trajectories.labels(pool.name).set(nt)
     return s.PoolStats(

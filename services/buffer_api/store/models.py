@@ -356,7 +356,21 @@ class BatchRow:
     created_at: datetime
 
 
+@dataclass(slots=True)
+class QuestionRow:
+    """A question as a page of them is read (`repo.question_page`): what its answer shows."""
+
+    id: int
+    prompt: list[dict[str, Any]]
+    ground_truth: str
+    data_source: str
+    external_id: str | None
+    meta: dict[str, Any]
+    created_at: datetime
+
+
 AnyPool = Pool | PoolRow
 AnyRun = Run | RunRow
+AnyQuestion = Question | QuestionRow
 AnyLease = RunLease | LeaseRow
 AnyBatch = Batch | BatchRow

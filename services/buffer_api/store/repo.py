@@ -23,7 +23,6 @@ from sqlalchemy import (
     case,
     delete,
     func,
-    literal,
     or_,
     select,
     text,
@@ -46,6 +45,7 @@ from exgrpo_pool.store.models import (
     Pool,
     PoolRow,
     Question,
+    QuestionRow,
     Run,
     RunEpoch,
     RunLease,
@@ -472,6 +472,74 @@ async def batch_rows(
     b = _NP + _NR
     lease = _lease_row(values[b + _NB :]) if lock else None
     return PoolRow(*values[:_NP]), RunRow(*values[_NP:b]), BatchRow(*values[b : b + _NB]), lease
+
+
+_POOL_BY_NAME = select(*_POOL_COLS).where(_pool_t.c.name == bindparam("pool_name"))
+
+
+async def pool_row(session: AsyncSession, name: str) -> PoolRow | None:
+    """The pool as a plain row (None: no such pool)."""
+    rows = await _core_rows(session, _POOL_BY_NAME, {"pool_name": name})
+    return PoolRow(*rows[0]) if rows else None
+
+
+@functools.cache
+def _pool_with_totals_stmt() -> Select[Any]:
+    """The pool by name and `pool_totals`'s four counts, in one statement built once."""
+    qt, tt, pid = question_tally.c, trajectory_tally.c, _pool_t.c.id
+    counts = (
+        select(func.coalesce(func.sum(qt.n), 0)).where(qt.pool_id == pid),
+        select(func.coalesce(func.sum(tt.n), 0)).where(tt.pool_id == pid),
+        select(func.count()).select_from(_run_t).where(_run_t.c.pool_id == pid),
+        select(func.coalesce(func.sum(tt.tokens), 0)).where(tt.pool_id == pid),
+    )
+    return select(*_POOL_COLS, *(c.scalar_subquery() for c in counts)).where(
+        _pool_t.c.name == bindparam("pool_name")
+    )
+
+
+async def pool_with_totals(
+    session: AsyncSession, name: str
+) -> tuple[PoolRow, tuple[int, int, int, int]] | None:
+    """The pool as a plain row and its (questions, trajectories, runs, payload tokens), from the
+    tallies, in one statement (None: no such pool)."""
+    rows = await _core_rows(session, _pool_with_totals_stmt(), {"pool_name": name})
+    if not rows:
+        return None
+    values = tuple(rows[0])
+    nq, nt, nr, tokens = (int(v) for v in values[_NP:])
+    return PoolRow(*values[:_NP]), (nq, nt, nr, tokens)
+
+
+_RUNS_OF_POOL = select(*_RUN_COLS).where(_run_t.c.pool_id == bindparam("pool_id")).order_by(_run_t.c.id)
+
+
+async def run_rows_of_pool(session: AsyncSession, pool_id: int) -> list[RunRow]:
+    """The pool's runs as plain rows, in id order."""
+    return [RunRow(*r) for r in await _core_rows(session, _RUNS_OF_POOL, {"pool_id": pool_id})]
+
+
+async def question_page(session: AsyncSession, pool_id: int, after: int, limit: int) -> list[QuestionRow]:
+    """Up to `limit` of the pool's questions with ids above `after`, in id order, as plain rows
+    read by one driver statement."""
+    conn = await _connection(session)
+    q = _Sql(conn)
+    sql = (
+        "SELECT id, prompt, ground_truth, data_source, external_id, metadata, created_at FROM question "
+        f"WHERE pool_id = {q.arg(pool_id)} AND id > {q.arg(after)} ORDER BY id LIMIT {q.arg(limit)}"
+    )
+    rows = await _driver_rows(conn, sql, q.args)
+    prompt = _result_processor(conn, _question_t.c.prompt)
+    meta = _result_processor(conn, _question_t.c["metadata"])
+    stamp = _sqlite_stamp if not q.pg else _result_processor(conn, _question_t.c.created_at)
+
+    def value(f: Callable[[Any], Any] | None, v: Any) -> Any:
+        return v if f is None else f(v)
+
+    return [
+        QuestionRow(i, value(prompt, p), truth, source, ext, value(meta, m), value(stamp, at))
+        for i, p, truth, source, ext, m, at in rows
+    ]
 
 
 async def pool_exists(session: AsyncSession, name: str) -> bool:
@@ -912,14 +980,14 @@ async def state_counts(
     out: dict[int, tuple[dict[int, int], int, int]] = {}
     if not scopes:
         return out
-    st = state_tally.c
-    stmt = (
-        select(st.scope, st.bucket, st.retired, func.sum(st.n))
-        .where(st.scope.in_(sorted(set(scopes))))
-        .group_by(st.scope, st.bucket, st.retired)
+    conn = await _connection(session)
+    q = _Sql(conn)
+    sql = (
+        f"SELECT scope, bucket, retired, sum(n) FROM state_tally WHERE scope {q.ids(sorted(set(scopes)))} "
+        "GROUP BY scope, bucket, retired"
     )
     counts: dict[int, list[Any]] = {sc: [{}, 0, 0] for sc in scopes}
-    for scope, bucket, is_retired, total in (await session.execute(stmt)).all():
+    for scope, bucket, is_retired, total in await _driver_rows(conn, sql, q.args):
         n = int(total)
         if n == 0:
             continue
@@ -1244,20 +1312,18 @@ async def run_trajectory_counts(
     if not run_ids:
         return out
     ids = sorted(set(run_ids))
-    tt, t = trajectory_tally.c, Trajectory.__table__.c
-    totals = (
-        select(literal(False).label("recent"), tt.run_id, func.sum(tt.n))
-        .where(tt.pool_id == pool_id, tt.run_id.in_(ids))
-        .group_by(tt.run_id)
-    )
-    recent = (
-        select(literal(True).label("recent"), t.source_run_id, func.count())
-        .where(t.source_run_id.in_(ids), t.created_at >= since)
-        .group_by(t.source_run_id)
+    conn = await _connection(session)
+    q = _Sql(conn)
+    (bound_since,) = _bound(conn, _traj_t, ("created_at",))((since,))
+    sql = (
+        f"SELECT 0, run_id, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
+        f"AND run_id {q.ids(ids)} GROUP BY run_id UNION ALL "
+        f"SELECT 1, source_run_id, count(*) FROM trajectory WHERE source_run_id {q.ids(ids)} "
+        f"AND created_at >= {q.arg(bound_since)} GROUP BY source_run_id"
     )
     stored: dict[int, int] = {}
     lately: dict[int, int] = {}
-    for is_recent, run_id, n in (await session.execute(totals.union_all(recent))).all():
+    for is_recent, run_id, n in await _driver_rows(conn, sql, q.args):
         (lately if is_recent else stored)[int(run_id)] = int(n)
     for run_id in ids:
         out[run_id] = (stored.get(run_id, 0), lately.get(run_id, 0))
@@ -1291,21 +1357,15 @@ async def last_replay_counts(session: AsyncSession, run_ids: Sequence[int]) -> d
     themselves (~6 KB each) are neither sent nor parsed."""
     if not run_ids:
         return {}
-    b = _batch_t.c
-    ids = sorted(set(run_ids))
-    last = (
-        select(b.run_id, func.max(b.step).label("step"))
-        .where(b.run_id.in_(ids), b.status == "committed")
-        .group_by(b.run_id)
-        .subquery()
+    conn = await _connection(session)
+    q = _Sql(conn)
+    replayed = "jsonb_array_length(b.plan -> 'replay')" if q.pg else "json_array_length(b.plan, '$.replay')"
+    sql = (
+        f"SELECT b.run_id, {replayed} FROM batch b JOIN (SELECT run_id, max(step) AS step FROM batch "
+        f"WHERE run_id {q.ids(sorted(set(run_ids)))} AND status = 'committed' GROUP BY run_id) last "
+        "ON b.run_id = last.run_id AND b.step = last.step WHERE b.status = 'committed'"
     )
-    if _is_pg(session):
-        replayed = func.jsonb_array_length(b.plan.op("->")("replay"))
-    else:
-        replayed = func.json_array_length(b.plan, "$.replay")
-    stmt = select(b.run_id, replayed).join(last, and_(b.run_id == last.c.run_id, b.step == last.c.step))
-    stmt = stmt.where(b.status == "committed")
-    return {int(run_id): int(n or 0) for run_id, n in (await session.execute(stmt)).all()}
+    return {int(run_id): int(n or 0) for run_id, n in await _driver_rows(conn, sql, q.args)}
 
 
 # ------------------------------------------------------------------------------------- tasks

@@ -16,8 +16,10 @@ from exgrpo_pool.api.deps import (
     PrincipalDep,
     Reader,
     ReadPool,
+    ReadPoolName,
     RowId,
     WritePool,
+    json_response,
 )
 from exgrpo_pool.api.wire import frame_answer, frame_body
 from exgrpo_pool.errors import Forbidden
@@ -100,8 +102,9 @@ async def delete_pool(
 
 
 @router.get("/{pool}/stats", response_model=s.PoolStats)
-async def pool_stats(pool: ReadPool, ctx: ContextDep) -> s.PoolStats:
-    return await svc.pool_stats(ctx, pool)
+async def pool_stats(pool: ReadPoolName, ctx: ContextDep) -> object:
+    with ctx.db.hot():
+        return json_response(await svc.pool_stats(ctx, pool), 200)
 
 
 @router.post("/{pool}/questions", response_model=s.QuestionsImported)
@@ -113,12 +116,13 @@ async def import_questions(
 
 @router.get("/{pool}/questions", response_model=s.QuestionsPublic)
 async def list_questions(
-    pool: ReadPool,
+    pool: ReadPoolName,
     ctx: ContextDep,
     after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-) -> s.QuestionsPublic:
-    return await svc.list_questions(ctx, pool, after, limit)
+) -> object:
+    with ctx.db.hot():
+        return json_response(await svc.list_questions(ctx, pool, after, limit), 200)
 
 
 @router.get("/{pool}/questions/{question_id}", response_model=s.QuestionDetail)

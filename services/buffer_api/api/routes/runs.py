@@ -17,6 +17,7 @@ from exgrpo_pool.api.deps import (
     RunName,
     WritePool,
     WritePoolName,
+    json_response,
 )
 from exgrpo_pool.api.wire import FrameRoute, WireDep, frame_answer, frame_body
 from exgrpo_pool.service import batches, leases, tasks
@@ -86,8 +87,9 @@ async def release_lease(
 
 
 @router.get("/{run}/stats", response_model=s.RunStats)
-async def run_stats(run: RunName, pool: ReadPool, ctx: ContextDep) -> s.RunStats:
-    return await svc.run_stats(ctx, pool, run)
+async def run_stats(run: RunName, pool: ReadPoolName, ctx: ContextDep) -> object:
+    with ctx.db.hot():
+        return json_response(await svc.run_stats(ctx, pool, run), 200)
 
 
 @router.post("/{run}/metrics", response_model=s.RunMetricsStep)
