@@ -39,11 +39,12 @@ import bisect
 import hashlib
 import os
 import sqlite3
+import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import Any, get_args
 
 import numpy as np
 import orjson
@@ -65,6 +66,9 @@ from exgrpo_pool.domain import (
 from exgrpo_pool.service.convert import rules_of
 from exgrpo_pool.store.db import SQLITE_CACHE_MB
 
+#: a new run's phases, and the overrides the service stores for a run created without any
+_PHASES = get_args(s.Phase)
+_OVERRIDES = orjson.dumps(s.RunOverrides().model_dump()).decode()
 _TRAJ_COLS = "id, question_id, source_run_id, policy_version, step, reward, entropy, num_tokens, created_at"
 
 
@@ -337,7 +341,8 @@ class Floor:
             blob = await self.db.fetch(
                 'SELECT "order" FROM run_epoch WHERE run_id = ? AND epoch = ?', run_id, epoch
             )
-            order = np.frombuffer(bytes(blob[0][0]), dtype="<i8").astype(np.int64)
+            # a new run has no epoch yet: an empty order, so that its first plan starts one
+            order = np.frombuffer(bytes(blob[0][0]) if blob else b"", dtype="<i8").astype(np.int64)
         nxt = take_fresh(order, cursor, rules.batch_size)
         if nxt is None:
             ids = await self.db.fetch("SELECT id FROM question WHERE pool_id = ? ORDER BY id", self.pool_id)
@@ -428,6 +433,168 @@ class Floor:
                 r["candidates"] = []
             payloads = []
         return {"run": run_name, "num_eligible": eligible, "replay": replay}, payloads
+
+    # ------------------------------------------------------------------- the mix's other requests
+    async def create_run(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A new run of the pool (the 50-client mix's trainers each make one): its row, and an
+        empty index; its first plan starts its first epoch."""
+        name, seed, phase = req.get("name"), req.get("seed", 0), req.get("phase", "on_policy")
+        if not isinstance(name, str) or not name or not isinstance(seed, int) or phase not in _PHASES:
+            raise Refused(422, "name, seed, phase")
+        if await self.db.fetch("SELECT id FROM run WHERE pool_id = ? AND name = ?", self.pool_id, name):
+            raise Refused(409, "run exists")
+        now = _now(self.db)
+        switched = 0 if phase == "mixed" else None
+        rid = int(
+            (
+                await self.db.fetch(
+                    "INSERT INTO run (pool_id, name, seed, phase, switched_at_step, step, policy_version, "
+                    "epoch, cursor, overrides, created_at, updated_at) "
+                    "VALUES (?, ?, ?, ?, ?, 0, 0, -1, 0, ?, ?, ?) RETURNING id",
+                    self.pool_id,
+                    name,
+                    seed,
+                    phase,
+                    switched,
+                    _OVERRIDES,
+                    now,
+                    now,
+                )
+            )[0][0]
+        )
+        self.runs[rid], self.run_ids[name] = name, rid
+        self.index[rid] = {}
+        at = _iso(now)
+        return {
+            "id": rid, "name": name, "pool": self.pool_name, "seed": seed, "phase": phase,
+            "switched_at_step": switched, "step": 0, "policy_version": 0, "epoch": 0, "cursor": 0,
+            "overrides": orjson.loads(_OVERRIDES), "created_at": at, "updated_at": at,
+        }  # fmt: skip
+
+    async def run_stats(self, name: str) -> dict[str, Any]:
+        row = await self.db.fetch(
+            "SELECT id, name, phase, step, policy_version FROM run WHERE pool_id = ? AND name = ?",
+            self.pool_id,
+            name,
+        )
+        if not row:
+            raise Refused(404, "no such run")
+        return (await self._stats(row))[0]
+
+    async def pool_stats(self) -> dict[str, Any]:
+        """The pool's totals from the tallies, and every run's stats."""
+        pid = self.pool_id
+        nq, nt, nr, tokens = (
+            await self.db.fetch(
+                "SELECT (SELECT coalesce(sum(n), 0) FROM question_tally WHERE pool_id = ?), "
+                "(SELECT coalesce(sum(n), 0) FROM trajectory_tally WHERE pool_id = ?), "
+                "(SELECT count(*) FROM run WHERE pool_id = ?), "
+                "(SELECT coalesce(sum(tokens), 0) FROM trajectory_tally WHERE pool_id = ?)",
+                pid,
+                pid,
+                pid,
+                pid,
+            )
+        )[0]
+        runs = await self.db.fetch(
+            "SELECT id, name, phase, step, policy_version FROM run WHERE pool_id = ? ORDER BY id", pid
+        )
+        return {
+            "pool": self.pool_name,
+            "num_questions": int(nq),
+            "num_trajectories": int(nt),
+            "num_tokens": int(tokens),
+            "num_runs": int(nr),
+            "runs": await self._stats(runs),
+        }
+
+    async def _stats(self, runs: list[Any]) -> list[dict[str, Any]]:
+        """Runs' stats as the service counts them: the state tally's cells, the trajectory
+        tally's totals and the last five minutes' rows, the last committed batch's replays."""
+        ids = [int(r[0]) for r in runs]
+        marks = _in(len(ids))
+        hist: dict[int, dict[int, int]] = {i: {} for i in ids}
+        retired, seen = dict.fromkeys(ids, 0), dict.fromkeys(ids, 0)
+        for scope, bucket, is_retired, n in await self.db.fetch(
+            f"SELECT scope, bucket, retired, sum(n) FROM state_tally WHERE scope IN ({marks}) "
+            "GROUP BY scope, bucket, retired",
+            *ids,
+        ):
+            sc, n = int(scope), int(n)
+            seen[sc] += n
+            if is_retired:
+                retired[sc] += n
+            elif bucket >= 0 and n:
+                hist[sc][int(bucket)] = hist[sc].get(int(bucket), 0) + n
+        since = _now(self.db, datetime.now(UTC) - timedelta(minutes=5))
+        totals: dict[int, int] = {}
+        recent: dict[int, int] = {}
+        for is_recent, run_id, n in await self.db.fetch(
+            f"SELECT 0, run_id, sum(n) FROM trajectory_tally WHERE pool_id = ? AND run_id IN ({marks}) "
+            f"GROUP BY run_id UNION ALL SELECT 1, source_run_id, count(*) FROM trajectory "
+            f"WHERE source_run_id IN ({marks}) AND created_at >= ? GROUP BY source_run_id",
+            self.pool_id, *ids, *ids, since,
+        ):  # fmt: skip
+            (recent if is_recent else totals)[int(run_id)] = int(n)
+        pg = self.db.pg
+        length = "jsonb_array_length(b.plan -> 'replay')" if pg else "json_array_length(b.plan, '$.replay')"
+        replayed = {
+            int(r[0]): int(r[1] or 0)
+            for r in await self.db.fetch(
+                f"SELECT b.run_id, {length} FROM batch b JOIN (SELECT run_id, max(step) AS step FROM batch "
+                f"WHERE run_id IN ({marks}) AND status = 'committed' GROUP BY run_id) l "
+                "ON b.run_id = l.run_id AND b.step = l.step WHERE b.status = 'committed'",
+                *ids,
+            )
+        }
+        out = []
+        for rid, name, phase, step, version in runs:
+            h = hist[int(rid)]
+            out.append(
+                {
+                    "run": name,
+                    "pool": self.pool_name,
+                    "phase": phase,
+                    "step": step,
+                    "policy_version": version,
+                    "buckets": [{"bucket": b, "questions": n} for b, n in sorted(h.items())],
+                    "eligible": sum(h.values()),
+                    "retired": retired[int(rid)],
+                    "seen": seen[int(rid)],
+                    "trajectories": totals.get(int(rid), 0),
+                    "replayed_last_step": replayed.get(int(rid), 0),
+                    "ingest_per_minute": recent.get(int(rid), 0) / 5.0,
+                }
+            )
+        return out
+
+    async def questions(self, after: int, limit: int) -> dict[str, Any]:
+        """A page of the pool's questions in id order."""
+        rows = await self.db.fetch(
+            "SELECT id, prompt, ground_truth, data_source, external_id, metadata, created_at FROM question "
+            "WHERE pool_id = ? AND id > ? ORDER BY id LIMIT ?",
+            self.pool_id,
+            after,
+            limit,
+        )
+
+        def parsed(v: Any) -> Any:
+            return orjson.loads(v) if isinstance(v, str | bytes) else v
+
+        data = [
+            {
+                "id": r[0],
+                "pool": self.pool_name,
+                "prompt": parsed(r[1]),
+                "ground_truth": r[2],
+                "data_source": r[3],
+                "external_id": r[4],
+                "metadata": parsed(r[5]),
+                "created_at": _iso(r[6]),
+            }
+            for r in rows
+        ]
+        return {"data": data, "count": len(data), "next_after": rows[-1][0] if len(rows) == limit else None}
 
     # ---------------------------------------------------------------------------------- commit
     async def commit(
@@ -679,11 +846,16 @@ class Floor:
                 (last,),
             ).fetchall()
         for pool, run, n, tokens in cells:
-            conn.execute(
+            bumped = conn.execute(
                 "UPDATE OR IGNORE trajectory_tally SET n = n + ?, tokens = tokens + ? "
                 "WHERE pool_id = ? AND run_id = ?",
                 (n, tokens, pool, run),
-            )
+            ).rowcount
+            if not bumped:  # a run's first stored trajectories: its cell's row
+                conn.execute(
+                    "INSERT INTO trajectory_tally (pool_id, run_id, n, tokens) VALUES (?, ?, ?, ?)",
+                    (pool, run, n, tokens),
+                )
         return stored
 
 
@@ -792,7 +964,10 @@ def app_for(floor: Floor) -> Callable[..., Awaitable[None]]:
         status, out, media = 200, b"ok", b"text/plain"
         try:
             async with lock:
-                status, out, media = await _route(floor, path, raw, headers)
+                if scope["method"] == "GET":
+                    status, out, media = await _read(floor, path, scope.get("query_string", b""))
+                else:
+                    status, out, media = await _route(floor, path, raw, headers)
         except Refused as e:
             status, out, media = e.status, orjson.dumps({"detail": str(e)}), b"application/json"
         await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", media)]})
@@ -801,10 +976,41 @@ def app_for(floor: Floor) -> Callable[..., Awaitable[None]]:
     return app
 
 
-async def _route(floor: Floor, path: str, raw: bytes, headers: dict[str, str]) -> tuple[int, bytes, bytes]:
+async def _read(floor: Floor, path: str, query: bytes) -> tuple[int, bytes, bytes]:
+    """The 50-client mix's reads: /v1/pools/<pool>/stats, .../questions, .../runs/<run>/stats."""
     if path == "/readyz":
         return 200, b"ok", b"text/plain"
     parts = path.strip("/").split("/")
+    if len(parts) == 4 and parts[3] == "stats":
+        body = await floor.pool_stats()
+    elif len(parts) == 6 and parts[3] == "runs" and parts[5] == "stats":
+        body = await floor.run_stats(parts[4])
+    elif len(parts) == 4 and parts[3] == "questions":
+        args = dict(urllib.parse.parse_qsl(query.decode()))
+        try:
+            after, limit = int(args.get("after", 0)), int(args.get("limit", 100))
+        except ValueError as e:
+            raise Refused(422, "after, limit") from e
+        if not 1 <= limit <= 1000:
+            raise Refused(422, "limit")
+        body = await floor.questions(after, limit)
+    else:
+        raise Refused(404, f"no route GET {path}")
+    return 200, orjson.dumps(body), b"application/json"
+
+
+async def _route(floor: Floor, path: str, raw: bytes, headers: dict[str, str]) -> tuple[int, bytes, bytes]:
+    parts = path.strip("/").split("/")
+    if len(parts) == 4 and parts[3] == "runs":
+        req = orjson.loads(raw) if raw else {}
+        ok = False
+        await floor.db.begin()
+        try:
+            run = await floor.create_run(req)
+            ok = True
+        finally:
+            await floor.db.end(ok)
+        return 201, orjson.dumps(run), b"application/json"
     # /v1/pools/<pool>/runs/<run>/batches | /select ; /v1/pools/<pool>/batches/<id>/commit
     frame_out = frames.wants_frame(headers.get("accept"))
     key = headers.get("idempotency-key")

@@ -469,6 +469,8 @@ class Options:
     throughput_groups: int = 256
     mix_s: float = 0.0
     mix_only: bool = False
+    #: with --floor --mix-only: mix rounds per side
+    mix_rounds: int = 1
     floor: bool = False
     #: read each copy once before measuring (into the OS's page cache)
     warm: bool = False
@@ -865,15 +867,20 @@ async def _mix(api: Api, trainer: Trainer, prefix: str, opts: Options, size: int
                 await call("pool stats", get(f"{prefix}/stats"))
             i += 1
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_ms(api.pid)
     await asyncio.gather(
         *(train(r) for r in runs),
         *(ingest(n) for n in range(MIX_INGESTERS)),
         *(read(n) for n in range(MIX_READERS)),
     )
     wall = time.perf_counter() - t0
+    cpu_s = (cpu_ms(api.pid) - cpu0) / 1000
     out: dict[str, Any] = {
         "clients": {"trainers": MIX_TRAINERS, "ingesters": MIX_INGESTERS, "readers": MIX_READERS},
+        # the server process's CPU over the mix (every thread; a parent of several service
+        # processes counts only itself), and the CPUs it kept busy on average
+        "server_cpu_s": round(cpu_s, 1),
+        "server_cpus": round(cpu_s / wall, 2),
         "seconds": round(opts.mix_s, 1),
         "wall_s": round(wall, 1),
         "encoding": enc,
@@ -923,7 +930,75 @@ def mix_table(rows: list[dict[str, Any]]) -> list[str]:
             f"| {r['backend']} | {r['questions']:,} | **training steps** | {len_commits(m)} "
             f"| {m['by_type'].get('commit', {}).get('per_s', 0.0):.2f} | | |"
         )
+        if "server_cpus" in m:
+            cpus = m["server_cpus"]
+            out.append(f"| {r['backend']} | {r['questions']:,} | **server CPUs** | | {cpus:.2f} | | |")
     return out
+
+
+MIX_READS = ("run stats", "select n=4", "questions", "pool stats")
+
+
+async def mix_against_floor(server: Server, floor: Server, opts: Options, combo: Combo) -> None:
+    """The 50-client mix against the service and against the floor (the same requests on its own
+    copy), one side at a time while the other idles, `opts.mix_rounds` rounds a side in the order
+    service, floor, floor, service, ... (each round on the copy the earlier ones left)."""
+    prefix = f"/v1/pools/{_seed.POOL_NAME}"
+    rounds: dict[str, list[dict[str, Any]]] = {"service": [], "floor": []}
+    async with (
+        httpx.AsyncClient(base_url=server.url, timeout=300, trust_env=False) as c1,
+        httpx.AsyncClient(base_url=floor.url, timeout=300, trust_env=False) as c2,
+    ):
+        apis = {"service": Api(c1, server.proc.pid), "floor": Api(c2, floor.proc.pid)}
+        for i in range(opts.mix_rounds):
+            for side in ("service", "floor") if i % 2 == 0 else ("floor", "service"):
+                m = await _mix(apis[side], Trainer(seed=combo.size), prefix, opts, combo.size)
+                rounds[side].append(m)
+                log(
+                    f"    {combo.backend} {combo.size:,} mix, {side}: {m['requests_per_s']:.2f} requests/s, "
+                    f"{m['steps_per_s']:.2f} steps/s, {m['server_cpus']:.2f} CPUs, errors {m['errors'] or 0}"
+                )
+    combo.result["mix_floor"] = rounds
+
+
+def floor_mix_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The mix against the floor: each round of each side, then the service's requests and steps
+    per second over the floor's (the rounds' means)."""
+    out = [
+        "| backend | questions | side | round | requests/s | steps/s | reads/s | ingests/s | server CPUs "
+        "| plan p50 / p99 ms | commit p50 / p99 ms |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    ratios = []
+    for r in rows:
+        sides = r.get("mix_floor")
+        if not sides:
+            continue
+        for side, ms in sides.items():
+            for i, m in enumerate(ms):
+                bt = m["by_type"]
+                reads = sum(bt.get(k, {}).get("per_s", 0.0) for k in MIX_READS)
+
+                def lat(kind: str, bt: dict[str, Any] = bt) -> str:
+                    x = bt.get(kind)
+                    return f"{_f(x['p50_ms'])} / {_f(x['p99_ms'])}" if x else "-"
+
+                out.append(
+                    f"| {r['backend']} | {r['questions']:,} | {side} | {i + 1} | {m['requests_per_s']:.2f} "
+                    f"| {m['steps_per_s']:.2f} | {reads:.2f} | {bt.get('ingest', {}).get('per_s', 0.0):.2f} "
+                    f"| {m['server_cpus']:.2f} | {lat('plan')} | {lat('commit')} |"
+                )
+
+        def mean(side: str, key: str, sides: dict[str, Any] = sides) -> float:
+            return float(np.mean([m[key] for m in sides[side]]))
+
+        ratios.append(
+            f"| {r['backend']} | {r['questions']:,} "
+            f"| {mean('service', 'requests_per_s') / mean('floor', 'requests_per_s'):.2f} "
+            f"| {mean('service', 'steps_per_s') / mean('floor', 'steps_per_s'):.2f} |"
+        )
+    return [*out, "", "| backend | questions | service / floor, requests/s | service / floor, steps/s |",
+            "|---|---:|---:|---:|", *ratios]  # fmt: skip
 
 
 async def _ingest(
@@ -1112,7 +1187,10 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
             floor = await asyncio.to_thread(
                 start_server, {"FLOOR_DATABASE": floor_url}, floor_log, None, FLOOR
             )
-            await against_floor(server, floor, opts, combo)
+            if opts.mix_only:
+                await mix_against_floor(server, floor, opts, combo)
+            else:
+                await against_floor(server, floor, opts, combo)
         else:
             await run_workload(server, opts, combo)
         res["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -1477,6 +1555,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mix", type=float, default=0.0, metavar="SECONDS", help="run the 50-client mix so long")
     ap.add_argument("--mix-only", action="store_true", help="start the service and run only the mix")
     ap.add_argument(
+        "--mix-rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --floor --mix-only: the mix N times against each side, alternating (SQLite only)",
+    )
+    ap.add_argument(
         "--service-workers",
         type=int,
         default=1,
@@ -1570,6 +1655,7 @@ def main(argv: list[str] | None = None) -> int:
         unrelated_keys=args.unrelated_keys,
         mix_s=args.mix or (60.0 if args.mix_only else 0.0),
         mix_only=args.mix_only,
+        mix_rounds=args.mix_rounds,
         floor=args.floor,
         throughput_requests=args.ingest_throughput,
         throughput_groups=args.throughput_groups,
@@ -1588,6 +1674,13 @@ def main(argv: list[str] | None = None) -> int:
     for b in backends:
         if b not in ("sqlite", "postgres"):
             raise SystemExit(f"unknown backend {b!r}: use sqlite and/or postgres")
+    if opts.floor and opts.mix_only and "postgres" in backends:
+        # the floor answers one request at a time on one connection: on SQLite that is all a
+        # process gets (one writer, statements on the event loop), on Postgres it would leave the
+        # server's concurrency unused and flatter the service
+        raise SystemExit("--floor --mix-only runs on SQLite only (the floor serialises its requests)")
+    if opts.mix_rounds < 1:
+        raise SystemExit("--mix-rounds must be at least 1")
     OUT.mkdir(parents=True, exist_ok=True)
     combos: list[Combo] = []
     t0 = time.perf_counter()
@@ -1619,7 +1712,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=2))
-        if opts.floor:
+        if opts.floor and opts.mix_only:
+            print("\n".join(floor_mix_table(doc["results"])))
+        elif opts.floor:
             print("\n".join(floor_table(doc["results"])))
             if opts.throughput_requests:
                 print("\n" + "\n".join(floor_throughput_table(doc["results"])))
