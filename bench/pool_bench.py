@@ -469,8 +469,8 @@ class Options:
     throughput_groups: int = 256
     mix_s: float = 0.0
     mix_only: bool = False
-    #: with --floor --mix-only: mix rounds per side
-    mix_rounds: int = 1
+    #: with --floor --mix-only: the floor's mix before the service's
+    floor_first: bool = False
     floor: bool = False
     #: read each copy once before measuring (into the OS's page cache)
     warm: bool = False
@@ -941,61 +941,56 @@ MIX_READS = ("run stats", "select n=4", "questions", "pool stats")
 
 async def mix_against_floor(server: Server, floor: Server, opts: Options, combo: Combo) -> None:
     """The 50-client mix against the service and against the floor (the same requests on its own
-    copy), one side at a time while the other idles, `opts.mix_rounds` rounds a side in the order
-    service, floor, floor, service, ... (each round on the copy the earlier ones left)."""
+    fresh copy), one side at a time while the other idles: the service first, or the floor with
+    `opts.floor_first` (a second run in the other order evens out what the hour does). A mix
+    leaves its copy grown (20 more runs, their states and trajectories), so each side runs once."""
     prefix = f"/v1/pools/{_seed.POOL_NAME}"
-    rounds: dict[str, list[dict[str, Any]]] = {"service": [], "floor": []}
+    sides: dict[str, dict[str, Any]] = {}
     async with (
         httpx.AsyncClient(base_url=server.url, timeout=300, trust_env=False) as c1,
         httpx.AsyncClient(base_url=floor.url, timeout=300, trust_env=False) as c2,
     ):
         apis = {"service": Api(c1, server.proc.pid), "floor": Api(c2, floor.proc.pid)}
-        for i in range(opts.mix_rounds):
-            for side in ("service", "floor") if i % 2 == 0 else ("floor", "service"):
-                m = await _mix(apis[side], Trainer(seed=combo.size), prefix, opts, combo.size)
-                rounds[side].append(m)
-                log(
-                    f"    {combo.backend} {combo.size:,} mix, {side}: {m['requests_per_s']:.2f} requests/s, "
-                    f"{m['steps_per_s']:.2f} steps/s, {m['server_cpus']:.2f} CPUs, errors {m['errors'] or 0}"
-                )
-    combo.result["mix_floor"] = rounds
+        for side in ("floor", "service") if opts.floor_first else ("service", "floor"):
+            m = sides[side] = await _mix(apis[side], Trainer(seed=combo.size), prefix, opts, combo.size)
+            log(
+                f"    {combo.backend} {combo.size:,} mix, {side}: {m['requests_per_s']:.2f} requests/s, "
+                f"{m['steps_per_s']:.2f} steps/s, {m['server_cpus']:.2f} CPUs, errors {m['errors'] or 0}"
+            )
+    combo.result["mix_floor"] = sides
 
 
 def floor_mix_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The mix against the floor: each round of each side, then the service's requests and steps
-    per second over the floor's (the rounds' means)."""
+    """The mix against the floor: each side's throughput and latency, and the service's requests
+    and steps per second over the floor's."""
     out = [
-        "| backend | questions | side | round | requests/s | steps/s | reads/s | ingests/s | server CPUs "
-        "| plan p50 / p99 ms | commit p50 / p99 ms |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| backend | questions | side | requests/s | steps/s | reads/s | ingests/s | server CPUs | plan p50 "
+        "/ p99 ms | commit p50 / p99 ms | read p50 ms (run stats, select, questions, pool stats) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     ratios = []
     for r in rows:
         sides = r.get("mix_floor")
         if not sides:
             continue
-        for side, ms in sides.items():
-            for i, m in enumerate(ms):
-                bt = m["by_type"]
-                reads = sum(bt.get(k, {}).get("per_s", 0.0) for k in MIX_READS)
+        for side, m in sides.items():
+            bt = m["by_type"]
+            reads = sum(bt.get(k, {}).get("per_s", 0.0) for k in MIX_READS)
 
-                def lat(kind: str, bt: dict[str, Any] = bt) -> str:
-                    x = bt.get(kind)
-                    return f"{_f(x['p50_ms'])} / {_f(x['p99_ms'])}" if x else "-"
+            def lat(kind: str, bt: dict[str, Any] = bt) -> str:
+                x = bt.get(kind)
+                return f"{_f(x['p50_ms'])} / {_f(x['p99_ms'])}" if x else "-"
 
-                out.append(
-                    f"| {r['backend']} | {r['questions']:,} | {side} | {i + 1} | {m['requests_per_s']:.2f} "
-                    f"| {m['steps_per_s']:.2f} | {reads:.2f} | {bt.get('ingest', {}).get('per_s', 0.0):.2f} "
-                    f"| {m['server_cpus']:.2f} | {lat('plan')} | {lat('commit')} |"
-                )
-
-        def mean(side: str, key: str, sides: dict[str, Any] = sides) -> float:
-            return float(np.mean([m[key] for m in sides[side]]))
-
+            read_p50 = ", ".join(_f(bt[k]["p50_ms"]) if k in bt else "-" for k in MIX_READS)
+            out.append(
+                f"| {r['backend']} | {r['questions']:,} | {side} | {m['requests_per_s']:.2f} "
+                f"| {m['steps_per_s']:.2f} | {reads:.2f} | {bt.get('ingest', {}).get('per_s', 0.0):.2f} "
+                f"| {m['server_cpus']:.2f} | {lat('plan')} | {lat('commit')} | {read_p50} |"
+            )
+        svc, flo = sides["service"], sides["floor"]
         ratios.append(
-            f"| {r['backend']} | {r['questions']:,} "
-            f"| {mean('service', 'requests_per_s') / mean('floor', 'requests_per_s'):.2f} "
-            f"| {mean('service', 'steps_per_s') / mean('floor', 'steps_per_s'):.2f} |"
+            f"| {r['backend']} | {r['questions']:,} | {svc['requests_per_s'] / flo['requests_per_s']:.2f} "
+            f"| {svc['steps_per_s'] / flo['steps_per_s']:.2f} |"
         )
     return [*out, "", "| backend | questions | service / floor, requests/s | service / floor, steps/s |",
             "|---|---:|---:|---:|", *ratios]  # fmt: skip
@@ -1555,11 +1550,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mix", type=float, default=0.0, metavar="SECONDS", help="run the 50-client mix so long")
     ap.add_argument("--mix-only", action="store_true", help="start the service and run only the mix")
     ap.add_argument(
-        "--mix-rounds",
-        type=int,
-        default=1,
-        metavar="N",
-        help="with --floor --mix-only: the mix N times against each side, alternating (SQLite only)",
+        "--floor-first",
+        action="store_true",
+        help="with --floor --mix-only (SQLite): the floor's mix first, then the service's",
     )
     ap.add_argument(
         "--service-workers",
@@ -1655,7 +1648,7 @@ def main(argv: list[str] | None = None) -> int:
         unrelated_keys=args.unrelated_keys,
         mix_s=args.mix or (60.0 if args.mix_only else 0.0),
         mix_only=args.mix_only,
-        mix_rounds=args.mix_rounds,
+        floor_first=args.floor_first,
         floor=args.floor,
         throughput_requests=args.ingest_throughput,
         throughput_groups=args.throughput_groups,
@@ -1679,8 +1672,6 @@ def main(argv: list[str] | None = None) -> int:
         # process gets (one writer, statements on the event loop), on Postgres it would leave the
         # server's concurrency unused and flatter the service
         raise SystemExit("--floor --mix-only runs on SQLite only (the floor serialises its requests)")
-    if opts.mix_rounds < 1:
-        raise SystemExit("--mix-rounds must be at least 1")
     OUT.mkdir(parents=True, exist_ok=True)
     combos: list[Combo] = []
     t0 = time.perf_counter()
