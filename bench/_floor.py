@@ -464,7 +464,7 @@ class Floor:
         )
         self.runs[rid], self.run_ids[name] = name, rid
         self.index[rid] = {}
-        at = _iso(now)
+        at = _iso_z(now)
         return {
             "id": rid, "name": name, "pool": self.pool_name, "seed": seed, "phase": phase,
             "switched_at_step": switched, "step": 0, "policy_version": 0, "epoch": 0, "cursor": 0,
@@ -590,7 +590,7 @@ class Floor:
                 "data_source": r[3],
                 "external_id": r[4],
                 "metadata": parsed(r[5]),
-                "created_at": _iso(r[6]),
+                "created_at": _iso_z(r[6]),
             }
             for r in rows
         ]
@@ -922,6 +922,13 @@ def _now(db: Db, at: datetime | None = None) -> Any:
 
 def _iso(v: Any) -> str:
     return v.isoformat() if isinstance(v, datetime) else str(v)
+
+
+def _iso_z(v: Any) -> str:
+    """A stored timestamp as the service writes it in an answer (UTC, `Z`; the mix's reads and a
+    new run: their answers are then the service's byte for byte)."""
+    at = v if isinstance(v, datetime) else datetime.fromisoformat(v)
+    return at.replace(tzinfo=None).isoformat() + "Z"
 
 
 def _answer(
