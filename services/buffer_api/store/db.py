@@ -211,10 +211,11 @@ class Database:
     @contextlib.contextmanager
     def hot() -> Iterator[None]:
         """The task's `write()`, `read()` and `transaction()` are on the hot path (plan, commit,
-        ingest, select, tasks): with the inline SQLite driver they call SQLite from the event loop,
+        ingest, select, tasks, and the polled reads of bounded work: a run's and the pool's stats,
+        a page of questions): with the inline SQLite driver they call SQLite from the event loop,
         and on Postgres their reads outside a transaction are autocommit (`hot_reads`).
-        Everything else (stats, listings, imports, exports, deletes: reads and writes that may take
-        long) keeps the thread driver and never holds up the loop."""
+        Everything else (listings, imports, exports, deletes: reads and writes that may take long)
+        keeps the thread driver and never holds up the loop."""
         token = _hot.set(True)
         try:
             yield
