@@ -305,13 +305,24 @@ async def timed_post(
     api: Api, path: str, body: bytes, headers: dict[str, str] | None = None
 ) -> tuple[httpx.Response, Sample]:
     h = {"content-type": "application/json", **(headers or {})}
+    return await timed_request(api, "POST", path, body, h)
+
+
+async def timed_get(api: Api, path: str) -> tuple[httpx.Response, Sample]:
+    return await timed_request(api, "GET", path, b"", {})
+
+
+async def timed_request(
+    api: Api, method: str, path: str, body: bytes, headers: dict[str, str]
+) -> tuple[httpx.Response, Sample]:
+    """One request, its latency and the server process's CPU meanwhile (every thread)."""
     c0 = cpu_ms(api.pid)
     t0 = time.perf_counter()
-    r = await api.client.post(path, content=body, headers=h)
+    r = await api.client.request(method, path, content=body or None, headers=headers)
     ms = (time.perf_counter() - t0) * 1000
     cpu = cpu_ms(api.pid) - c0
     if r.status_code >= 300:
-        raise RuntimeError(f"POST {path} -> {r.status_code}: {r.text[:500]}")
+        raise RuntimeError(f"{method} {path} -> {r.status_code}: {r.text[:500]}")
     st = _server_timing(r.headers.get("server-timing"))
     sample = Sample(
         ms=ms,
@@ -618,6 +629,14 @@ async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
     res["rss_peak_mb"] = max(m["peak"] for m in memory.values())
 
 
+#: the polled reads of `against_floor`: a run's stats, the pool's stats and a page of questions
+FLOOR_READS = {
+    "run_stats": "{prefix}/runs/{run}/stats",
+    "pool_stats": "{prefix}/stats",
+    "questions": "{prefix}/questions?limit=50",
+}
+
+
 async def against_floor(server: Server, floor: Server, opts: Options, combo: Combo) -> None:
     """The service and the floor (``_floor.py``: the same work on a copy of the same database)
     side by side, request by request: service, floor, service, floor... in every encoding, so
@@ -682,12 +701,26 @@ async def against_floor(server: Server, floor: Server, opts: Options, combo: Com
                     w.setdefault("ingest_stored", []).append(r.json()["stored_trajectories"])
                     if i >= opts.warmup:
                         samples[side][enc]["ingest"].append(smp)
+        # the reads dashboards and the mix's readers poll (JSON answers whatever the encoding:
+        # listed under the last one), each to the service and then to the floor
+        answers: dict[str, dict[str, bytes]] = {}
+        for i in range(opts.warmup + opts.select_iterations):
+            for what, path in FLOOR_READS.items():
+                for side in sides:
+                    r, smp = await timed_get(apis[side], path.format(prefix=prefix, run=_seed.RUN_NAME))
+                    answers.setdefault(what, {})[side] = r.content
+                    if i >= opts.warmup:
+                        samples[side][encs[-1]].setdefault(what, []).append(smp)
+        # after the same plans, commits and ingests both sides answer the same bytes
+        res["floor_reads_same"] = {what: a["service"] == a["floor"] for what, a in answers.items()}
+        if not all(res["floor_reads_same"].values()):
+            log(f"    WARNING: the service and the floor answered reads unlike: {res['floor_reads_same']}")
         if opts.throughput_requests:
             tp = await _floor_throughput(apis, trainers["service"], prefix, opts, combo.size, encs)
             res["floor_ingest"] = tp
     out: dict[str, Any] = {}
     for enc in encs:
-        for what in ("plan", "commit", "select", "select_ids", "ingest"):
+        for what in samples["service"][enc]:
             a, b = summarize(samples["service"][enc][what]), summarize(samples["floor"][enc][what])
             out.setdefault(enc, {})[what] = {
                 "service": a,
