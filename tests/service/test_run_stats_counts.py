@@ -4,11 +4,16 @@ pool's runs at once."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
+import httpx
+import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from exgrpo_pool.store import repo, sqlite_inline
 from exgrpo_pool.store.models import utcnow
 
 from .factories import (
@@ -24,15 +29,21 @@ from .factories import (
 )
 from .harness import Backend, serve
 
+HALF = correct_first(lambda q: 2)
+
+
+async def _two_runs_trained(client: httpx.AsyncClient) -> None:
+    """r1 and r2 in the mixed phase of a 64-question pool, with two and one committed steps."""
+    await setup_pool(client, phase="mixed", questions=64)
+    await create_run(client, "p1", "r2", phase="mixed")
+    for run in ("r1", "r2", "r1"):
+        plan = await plan_batch(client, run=run)
+        ok(await commit_batch(client, plan, make_groups(plan, HALF)))
+
 
 async def test_trajectories_and_those_of_the_last_five_minutes(backend: Backend) -> None:
-    half = correct_first(lambda q: 2)
     async with serve(backend.settings()) as client:
-        await setup_pool(client, phase="mixed", questions=64)
-        await create_run(client, "p1", "r2", phase="mixed")
-        for run in ("r1", "r1", "r2"):
-            plan = await plan_batch(client, run=run)
-            ok(await commit_batch(client, plan, make_groups(plan, half)))
+        await _two_runs_trained(client)
         engine = create_async_engine(backend.database_url)
         try:
             async with engine.begin() as conn:
@@ -69,3 +80,36 @@ async def test_trajectories_and_those_of_the_last_five_minutes(backend: Backend)
             for stats in (one[run], every[run]):
                 assert stats["trajectories"] == n
                 assert stats["ingest_per_minute"] == recent / 5.0
+
+
+async def test_a_run_past_the_loops_share_is_counted_off_the_loop_exactly(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite's inline driver counts a run's recent trajectories on the event loop only up to
+    `repo.RECENT_ON_LOOP`; a run past it is counted again in a worker thread, to the same numbers
+    (Postgres counts on its server, off the loop anyway)."""
+    off_loop: list[str] = []
+    counted = sqlite_inline.fetch_all_off_loop
+
+    async def spied(conn: Any, sql: str, parameters: Sequence[Any]) -> list[Any]:
+        off_loop.append(sql)
+        return await counted(conn, sql, parameters)
+
+    monkeypatch.setattr(sqlite_inline, "fetch_all_off_loop", spied)
+    async with serve(backend.settings()) as client:
+        await _two_runs_trained(client)
+        before = {run: await run_stats(client, run=run) for run in ("r1", "r2")}
+        assert not off_loop and all(s["trajectories"] > 3 for s in before.values())
+        monkeypatch.setattr(repo, "RECENT_ON_LOOP", 3)
+        after = {run: await run_stats(client, run=run) for run in ("r1", "r2")}
+        every = {r["run"]: r for r in (await pool_stats(client))["runs"]}
+        # a commit that asks for its run's stats counts the same way, inside its transaction
+        plan = await plan_batch(client, run="r2")
+        committed = ok(await commit_batch(client, plan, {**make_groups(plan, HALF), "with_stats": True}))
+    for run in ("r1", "r2"):
+        assert after[run] == before[run] and every[run] == before[run]
+        assert before[run]["ingest_per_minute"] == before[run]["trajectories"] / 5.0
+    assert committed["stats"]["ingest_per_minute"] == committed["stats"]["trajectories"] / 5.0
+    assert committed["stats"]["trajectories"] > before["r2"]["trajectories"]
+    # two run stats, the pool's (both runs in one statement) and the commit's
+    assert len(off_loop) == (0 if backend.name.startswith("postgres") else 4), off_loop

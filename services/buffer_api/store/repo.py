@@ -1302,29 +1302,59 @@ async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, lim
     return list((await session.execute(stmt)).scalars())
 
 
+#: SQLite on the event loop (the inline driver): a run's stats count its recent trajectories
+#: there up to this many index entries (~0.7 ms); a run past it is counted again in a worker
+#: thread, so that the stats of a run ingesting fast (300k trajectories in five minutes at 1k/s:
+#: ~11 ms of counting) do not hold up every other request
+RECENT_ON_LOOP = 20_000
+
+
 async def run_trajectory_counts(
     session: AsyncSession, pool_id: int, run_ids: Sequence[int], since: datetime
 ) -> dict[int, tuple[int, int]]:
     """Per run of the pool: (trajectories the run stored, of which since `since`): the total from
     the trajectory tally, the recent ones over the run's part of the (run, created) index from
-    `since` on."""
+    `since` on (see `RECENT_ON_LOOP`)."""
     out = {r: (0, 0) for r in run_ids}
     if not run_ids:
         return out
     ids = sorted(set(run_ids))
     conn = await _connection(session)
+    inline = _inline_sqlite(conn)
     q = _Sql(conn)
     (bound_since,) = _bound(conn, _traj_t, ("created_at",))((since,))
-    sql = (
+    totals = (
         f"SELECT 0, run_id, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
-        f"AND run_id {q.ids(ids)} GROUP BY run_id UNION ALL "
-        f"SELECT 1, source_run_id, count(*) FROM trajectory WHERE source_run_id {q.ids(ids)} "
-        f"AND created_at >= {q.arg(bound_since)} GROUP BY source_run_id"
+        f"AND run_id {q.ids(ids)} GROUP BY run_id"
     )
+    cap = RECENT_ON_LOOP + 1
+    if inline is None:
+        recent = (
+            f"SELECT 1, source_run_id, count(*) FROM trajectory WHERE source_run_id {q.ids(ids)} "
+            f"AND created_at >= {q.arg(bound_since)} GROUP BY source_run_id"
+        )
+    else:  # each run's count stops at the cap
+        recent = " UNION ALL ".join(
+            f"SELECT 1, {q.arg(r)}, (SELECT count(*) FROM (SELECT 1 FROM trajectory WHERE "
+            f"source_run_id = {q.arg(r)} AND created_at >= {q.arg(bound_since)} LIMIT {q.arg(cap)}))"
+            for r in ids
+        )
     stored: dict[int, int] = {}
     lately: dict[int, int] = {}
-    for is_recent, run_id, n in await _driver_rows(conn, sql, q.args):
+    for is_recent, run_id, n in await _driver_rows(conn, f"{totals} UNION ALL {recent}", q.args):
         (lately if is_recent else stored)[int(run_id)] = int(n)
+    over = [r for r, n in lately.items() if n >= cap] if inline is not None else []
+    if inline is not None and over:
+        again = _Sql(conn)
+        sql = (
+            f"SELECT source_run_id, count(*) FROM trajectory WHERE source_run_id {again.ids(over)} "
+            f"AND created_at >= {again.arg(bound_since)} GROUP BY source_run_id"
+        )
+        try:
+            rows = await sqlite_inline.fetch_all_off_loop(inline, sql, again.args)
+        except sqlite3.Error as e:
+            raise DBAPIError.instance(sql, again.args, e, sqlite3.Error) from e
+        lately.update((int(run_id), int(n)) for run_id, n in rows)
     for run_id in ids:
         out[run_id] = (stored.get(run_id, 0), lately.get(run_id, 0))
     return out

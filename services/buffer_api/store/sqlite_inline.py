@@ -69,6 +69,21 @@ async def fetch_all(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any
         cursor.close()
 
 
+async def fetch_all_off_loop(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any]) -> list[Any]:
+    """The rows of one read that may take long (it counts rows without bound), run on `conn` in a
+    worker thread: `sqlite3` lets the loop go on while SQLite works. The caller's request holds
+    `conn` meanwhile; nothing else uses it."""
+
+    def run() -> list[Any]:
+        cursor = conn.cursor()
+        try:
+            return cursor.execute(sql, parameters).fetchall()
+        finally:
+            cursor.close()
+
+    return await asyncio.to_thread(run)
+
+
 async def execute(
     conn: sqlite3.Connection, sql: str, parameters: Sequence[Any], *, many: bool = False
 ) -> int:
