@@ -4,8 +4,10 @@ pool's runs at once."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -113,3 +115,44 @@ async def test_a_run_past_the_loops_share_is_counted_off_the_loop_exactly(
     assert committed["stats"]["trajectories"] > before["r2"]["trajectories"]
     # two run stats, the pool's (both runs in one statement) and the commit's
     assert len(off_loop) == (0 if backend.name.startswith("postgres") else 4), off_loop
+
+
+async def test_a_runs_last_replays_are_found_from_its_newest_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's stats find its last committed batch from its newest batches down: their work does
+    not grow with the run's steps (SQLite's virtual machine instructions for the statement that
+    reads the batches, counted with a progress handler, after 2 and after 24 committed steps)."""
+    work: list[int] = []
+    fetch_all = sqlite_inline.fetch_all
+
+    async def counted(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any]) -> list[Any]:
+        if "FROM batch" not in sql:
+            return await fetch_all(conn, sql, parameters)
+        steps = [0]
+
+        def tick() -> int:
+            steps[0] += 1
+            return 0
+
+        conn.set_progress_handler(tick, 1)
+        try:
+            return await fetch_all(conn, sql, parameters)
+        finally:
+            conn.set_progress_handler(None, 0)
+            work.append(steps[0])
+
+    backend = Backend("sqlite-memory", f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", None, "unused")
+    async with serve(backend.settings()) as client:
+        await setup_pool(client, phase="mixed", questions=64)
+        replayed: list[int] = []
+        for steps in (2, 24):
+            while (await run_stats(client))["step"] < steps:
+                plan = await plan_batch(client)
+                ok(await commit_batch(client, plan, make_groups(plan, HALF)))
+            monkeypatch.setattr(sqlite_inline, "fetch_all", counted)
+            replayed.append((await run_stats(client))["replayed_last_step"])
+            monkeypatch.setattr(sqlite_inline, "fetch_all", fetch_all)
+            assert len(plan["replay"]) == replayed[-1] > 0
+    early, late = work  # 32 and 32; 89 and 397 when every batch of the run was read
+    assert late < early * 1.5, work

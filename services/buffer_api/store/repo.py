@@ -1382,7 +1382,7 @@ async def open_batch(session: AsyncSession, run_id: int, step: int) -> BatchRow 
 
 
 async def last_replay_counts(session: AsyncSession, run_ids: Sequence[int]) -> dict[int, int]:
-    """Per run that committed a batch: how many replayed questions its last committed batch had,
+    """Per run: how many replayed questions its last committed batch had (0: none committed),
     counted by the database in the stored plan (its `replay` list), in one query: the plans
     themselves (~6 KB each) are neither sent nor parsed."""
     if not run_ids:
@@ -1390,10 +1390,11 @@ async def last_replay_counts(session: AsyncSession, run_ids: Sequence[int]) -> d
     conn = await _connection(session)
     q = _Sql(conn)
     replayed = "jsonb_array_length(b.plan -> 'replay')" if q.pg else "json_array_length(b.plan, '$.replay')"
+    # each run's batches from its newest step down (the (run, step) index backwards) to the first
+    # committed one: a run's last batch or the one before it, however many steps it has made
     sql = (
-        f"SELECT b.run_id, {replayed} FROM batch b JOIN (SELECT run_id, max(step) AS step FROM batch "
-        f"WHERE run_id {q.ids(sorted(set(run_ids)))} AND status = 'committed' GROUP BY run_id) last "
-        "ON b.run_id = last.run_id AND b.step = last.step WHERE b.status = 'committed'"
+        f"SELECT r.id, (SELECT {replayed} FROM batch b WHERE b.run_id = r.id AND b.status = 'committed' "
+        f"ORDER BY b.step DESC LIMIT 1) FROM run r WHERE r.id {q.ids(sorted(set(run_ids)))}"
     )
     return {int(run_id): int(n or 0) for run_id, n in await _driver_rows(conn, sql, q.args)}
 
