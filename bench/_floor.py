@@ -541,9 +541,9 @@ class Floor:
         replayed = {
             int(r[0]): int(r[1] or 0)
             for r in await self.db.fetch(
-                f"SELECT b.run_id, {length} FROM batch b JOIN (SELECT run_id, max(step) AS step FROM batch "
-                f"WHERE run_id IN ({marks}) AND status = 'committed' GROUP BY run_id) l "
-                "ON b.run_id = l.run_id AND b.step = l.step WHERE b.status = 'committed'",
+                f"SELECT r.id, (SELECT {length} FROM batch b WHERE b.run_id = r.id "
+                "AND b.status = 'committed' ORDER BY b.step DESC LIMIT 1) "
+                f"FROM run r WHERE r.id IN ({marks})",
                 *ids,
             )
         }
