@@ -486,16 +486,7 @@ async def pool_row(session: AsyncSession, name: str) -> PoolRow | None:
 @functools.cache
 def _pool_with_totals_stmt() -> Select[Any]:
     """The pool by name and `pool_totals`'s four counts, in one statement built once."""
-    qt, tt, pid = question_tally.c, trajectory_tally.c, _pool_t.c.id
-    counts = (
-        select(func.coalesce(func.sum(qt.n), 0)).where(qt.pool_id == pid),
-        select(func.coalesce(func.sum(tt.n), 0)).where(tt.pool_id == pid),
-        select(func.count()).select_from(_run_t).where(_run_t.c.pool_id == pid),
-        select(func.coalesce(func.sum(tt.tokens), 0)).where(tt.pool_id == pid),
-    )
-    return select(*_POOL_COLS, *(c.scalar_subquery() for c in counts)).where(
-        _pool_t.c.name == bindparam("pool_name")
-    )
+    return select(*_POOL_COLS, *_pool_counts(_pool_t.c.id)).where(_pool_t.c.name == bindparam("pool_name"))
 
 
 async def pool_with_totals(
@@ -531,7 +522,7 @@ async def question_page(session: AsyncSession, pool_id: int, after: int, limit: 
     rows = await _driver_rows(conn, sql, q.args)
     prompt = _result_processor(conn, _question_t.c.prompt)
     meta = _result_processor(conn, _question_t.c["metadata"])
-    stamp = _sqlite_stamp if not q.pg else _result_processor(conn, _question_t.c.created_at)
+    stamp = _stamp(conn)
 
     def value(f: Callable[[Any], Any] | None, v: Any) -> Any:
         return v if f is None else f(v)
@@ -600,17 +591,20 @@ async def pool_totals(
 @functools.cache
 def _pool_totals_stmt() -> Select[Any]:
     pool_id: BindParameter[int] = bindparam("pool_id")
+    return select(*_pool_counts(pool_id))
+
+
+def _pool_counts(pool_id: Any) -> list[Any]:
+    """A pool's questions, trajectories, runs and payload tokens as four one-row aggregates over
+    the tallies and the pool's runs, for the pool `pool_id` (a parameter, or a pool row's column)."""
     qt, tt = question_tally.c, trajectory_tally.c
-    questions = select(func.coalesce(func.sum(qt.n), 0)).where(qt.pool_id == pool_id)
-    trajectories = select(func.coalesce(func.sum(tt.n), 0)).where(tt.pool_id == pool_id)
-    runs = select(func.count()).select_from(Run).where(Run.pool_id == pool_id)
-    tokens = select(func.coalesce(func.sum(tt.tokens), 0)).where(tt.pool_id == pool_id)
-    return select(
-        questions.scalar_subquery(),
-        trajectories.scalar_subquery(),
-        runs.scalar_subquery(),
-        tokens.scalar_subquery(),
+    counts = (
+        select(func.coalesce(func.sum(qt.n), 0)).where(qt.pool_id == pool_id),
+        select(func.coalesce(func.sum(tt.n), 0)).where(tt.pool_id == pool_id),
+        select(func.count()).select_from(_run_t).where(_run_t.c.pool_id == pool_id),
+        select(func.coalesce(func.sum(tt.tokens), 0)).where(tt.pool_id == pool_id),
     )
+    return [c.scalar_subquery() for c in counts]
 
 
 async def pool_tokens(session: AsyncSession, pool_id: int) -> int:
@@ -1343,7 +1337,7 @@ async def run_trajectory_counts(
     lately: dict[int, int] = {}
     for is_recent, run_id, n in await _driver_rows(conn, f"{totals} UNION ALL {recent}", q.args):
         (lately if is_recent else stored)[int(run_id)] = int(n)
-    over = [r for r, n in lately.items() if n >= cap] if inline is not None else []
+    over = [r for r, n in lately.items() if n >= cap]
     if inline is not None and over:
         again = _Sql(conn)
         sql = (
