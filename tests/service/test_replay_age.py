@@ -87,6 +87,19 @@ async def test_without_a_limit_every_stored_trajectory_is_a_candidate(client: ht
     assert _candidates(step["replay"]) == expected and len(step["fresh"]) == B - 3
 
 
+async def test_the_limit_holds_when_candidates_are_not_sent_whole(client: httpx.AsyncClient) -> None:
+    """Ids only and lowest stored entropy read the candidates' steps for the limit (without it,
+    ids only read no step at all)."""
+    q = await _setup(client, {"max_replay_age": 3}, {})
+    for mode, sent in (
+        ("none", {q["edge"]: [], q["both"]: []}),
+        ("lowest_stored_entropy", {q["edge"]: [2], q["both"]: [4]}),
+    ):
+        body = {"n": 10, "seed": 3, "candidates": mode}
+        assert _candidates(ok(await client.post("/v1/pools/p1/runs/r1/select", json=body))["replay"]) == sent
+        assert _candidates((await plan(client, candidates=mode, replan=True))["replay"]) == sent
+
+
 async def test_the_limit_is_checked_where_it_is_set(client: httpx.AsyncClient) -> None:
     await create_pool(client, "p1")
     for bad in (0, -1, 1.5, "3"):

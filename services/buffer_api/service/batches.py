@@ -184,10 +184,13 @@ async def _draw_fresh(
 
 
 # ----------------------------------------------------------------------------- replay choice
-#: what `_pick_replay` reads of the candidates when they do not go out whole (`all` reads all)
+#: what `_pick_replay` reads of the candidates when they do not go out whole (`all` reads all),
+#: their steps too under a `max_replay_age`. Ids alone are in the trajectories' unique index: on
+#: SQLite a read of them never touches the rows (one random page each on a pool larger than the
+#: page cache: 1.7 -> 0.4 ms for 64 questions of the seeded 1M pool).
 _CANDIDATE_COLUMNS: dict[str, tuple[str, ...]] = {
-    "none": ("id", "question_id", "step"),
-    "lowest_stored_entropy": ("id", "question_id", "step", "entropy"),
+    "none": ("id", "question_id"),
+    "lowest_stored_entropy": ("id", "question_id", "entropy"),
 }
 
 
@@ -233,16 +236,17 @@ async def _pick_replay(
     if len(valid) != len(picks):
         log.warning("index out of date for scope %s: %d stale picks dropped", scope, len(picks) - len(valid))
         await ctx.index.drop(scope)
+    oldest = None if rules.max_replay_age is None else step - rules.max_replay_age
+    only = _CANDIDATE_COLUMNS.get(mode)
     trajs = await repo.trajectories_of(
         session,
         [p.question_id for p in valid],
         scope=scopes.trajectories,
         payload=mode == "all",
-        only=_CANDIDATE_COLUMNS.get(mode),
+        only=None if only is None else only + (() if oldest is None else ("step",)),
     )
     out = []
     rows: dict[int, Row[Any]] = {}
-    oldest = None if rules.max_replay_age is None else step - rules.max_replay_age
     for p in valid:
         cands = trajs.get(p.question_id, [])
         if oldest is not None:
