@@ -253,10 +253,10 @@ class Floor:
         states = await self._states(run_id, qids)
         picks = [p for p in picks if (st := states.get(p[0])) is not None and st[0] and not st[1]]
         trajs: dict[int, list[Any]] = {}
-        extra = ", token_ids, logprobs" if payload else ""
+        # ids only: whether a question has a candidate at all (no candidate goes out)
+        cols = f"{_TRAJ_COLS}, token_ids, logprobs" if payload else "id, question_id"
         for t in await self.db.fetch(
-            f"SELECT {_TRAJ_COLS}{extra} FROM trajectory WHERE scope = ? "
-            f"AND question_id IN ({marks}) ORDER BY id",
+            f"SELECT {cols} FROM trajectory WHERE scope = ? AND question_id IN ({marks}) ORDER BY id",
             run_id,
             *qids,
         ):
@@ -269,7 +269,7 @@ class Floor:
                 continue
             q = questions[qid]
             out = []
-            for t in cands:
+            for t in cands if payload else ():
                 out.append(
                     {
                         "id": t[0],
@@ -280,10 +280,11 @@ class Floor:
                         "reward": t[5],
                         "entropy": t[6],
                         "num_tokens": t[7],
-                        "created_at": _iso(t[8]),
+                        "created_at": _iso_z(t[8]),
+                        "text": None,  # a response's text goes out with a question's detail only
                     }
                 )
-                payloads.append((bytes(t[9]), bytes(t[10])) if payload else None)
+                payloads.append((bytes(t[9]), bytes(t[10])))
             items.append(
                 {**q, "num_samples": self.k - 1, "bucket": bucket, "probability": prob, "candidates": out}
             )
@@ -428,10 +429,6 @@ class Floor:
         replay, payloads, eligible = await self._replay(
             run_id, rseed, int(req.get("seed") or 0), int(req["n"]), "select", payload=not ids_only
         )
-        if ids_only:
-            for r in replay:
-                r["candidates"] = []
-            payloads = []
         return {"run": run_name, "num_eligible": eligible, "replay": replay}, payloads
 
     # ------------------------------------------------------------------- the mix's other requests
@@ -820,12 +817,18 @@ class Floor:
             types = ["bigint", "bigint", "bigint", "bigint", "int", "int", "bytea", "bytea", "int",
                      "float8", "float8", "bytea", "timestamptz"]  # fmt: skip
             unnest = ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(types))
-            got = await self.db.conn.fetch(  # type: ignore[attr-defined]
-                f"INSERT INTO trajectory ({cols}) SELECT * FROM unnest({unnest}) "
-                "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING RETURNING id",
+            # and the trajectory tally's rows of what was stored, as the service adds them there
+            # (Postgres has no INSERT trigger on trajectory; its DELETE trigger counts removals)
+            got = await self.db.conn.fetchval(  # type: ignore[attr-defined]
+                f"WITH stored AS (INSERT INTO trajectory ({cols}) SELECT * FROM unnest({unnest}) "
+                "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING "
+                "RETURNING pool_id, source_run_id, num_tokens), "
+                "tallied AS (INSERT INTO trajectory_tally (pool_id, run_id, n, tokens) "
+                "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM stored "
+                "GROUP BY 1, 2) SELECT count(*) FROM stored",
                 *[list(c) for c in zip(*rows, strict=True)],
             )
-            return len(got)
+            return int(got)
         conn = self.db.conn  # type: ignore[attr-defined]
         last = conn.execute("SELECT max(id) FROM trajectory").fetchone()[0] or 0
         # the rows the statement inserted (a conflict inserts none)
@@ -920,13 +923,9 @@ def _now(db: Db, at: datetime | None = None) -> Any:
     return at if db.pg else at.strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
-def _iso(v: Any) -> str:
-    return v.isoformat() if isinstance(v, datetime) else str(v)
-
-
 def _iso_z(v: Any) -> str:
-    """A stored timestamp as the service writes it in an answer (UTC, `Z`; the mix's reads and a
-    new run: their answers are then the service's byte for byte)."""
+    """A stored timestamp as the service writes it in an answer (UTC, `Z`): the floor's answers
+    are then the service's byte for byte."""
     at = v if isinstance(v, datetime) else datetime.fromisoformat(v)
     return at.replace(tzinfo=None).isoformat() + "Z"
 

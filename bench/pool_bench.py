@@ -662,15 +662,22 @@ async def against_floor(server: Server, floor: Server, opts: Options, combo: Com
             side: {"replayed": [], "candidates": [], "stored": [], "retired": []} for side in sides
         }
         same_plans = 0
+        # the first selection of each kind is answered the same by both sides, byte for byte
+        selected: dict[str, dict[str, bytes]] = {}
         for key, mode in (("select", opts.candidates), ("select_ids", "none")):
             for i in range(opts.warmup + opts.select_iterations):
                 for enc in encs:
                     body = json.dumps({"n": 64, "seed": 1000 + i, "candidates": mode}).encode()
                     for side in sides:
                         path = f"{prefix}/runs/{_seed.RUN_NAME}/select"
-                        _, smp = await timed_post(apis[side], path, body, wire_headers(enc))
+                        r, smp = await timed_post(apis[side], path, body, wire_headers(enc))
+                        if i == 0:
+                            selected.setdefault(f"{key} {enc}", {})[side] = r.content
                         if i >= opts.warmup:
                             samples[side][enc][key].append(smp)
+        res["floor_selections_same"] = {what: a["service"] == a["floor"] for what, a in selected.items()}
+        if not all(res["floor_selections_same"].values()):
+            log(f"    WARNING: the service and the floor selected unlike: {res['floor_selections_same']}")
         for i in range(opts.warmup + opts.iterations):
             for enc in encs:
                 picked: list[list[int]] = []
