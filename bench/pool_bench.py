@@ -907,7 +907,7 @@ async def _mix(api: Api, trainer: Trainer, prefix: str, opts: Options, size: int
                 await call("pool stats", get(f"{prefix}/stats"))
             i += 1
 
-    t0, cpu0 = time.perf_counter(), cpu_ms(api.pid)
+    t0, cpu0, own0 = time.perf_counter(), cpu_ms(api.pid), time.process_time()
     await asyncio.gather(
         *(train(r) for r in runs),
         *(ingest(n) for n in range(MIX_INGESTERS)),
@@ -915,12 +915,16 @@ async def _mix(api: Api, trainer: Trainer, prefix: str, opts: Options, size: int
     )
     wall = time.perf_counter() - t0
     cpu_s = (cpu_ms(api.pid) - cpu0) / 1000
+    client_s = time.process_time() - own0
     out: dict[str, Any] = {
         "clients": {"trainers": MIX_TRAINERS, "ingesters": MIX_INGESTERS, "readers": MIX_READERS},
         # the server process's CPU over the mix (every thread; a parent of several service
         # processes counts only itself), and the CPUs it kept busy on average
         "server_cpu_s": round(cpu_s, 1),
         "server_cpus": round(cpu_s / wall, 2),
+        # the 50 clients' own CPU (this process: building bodies, HTTP), on the same machine
+        "client_cpu_s": round(client_s, 1),
+        "client_cpus": round(client_s / wall, 2),
         "seconds": round(opts.mix_s, 1),
         "wall_s": round(wall, 1),
         "encoding": enc,
@@ -973,6 +977,9 @@ def mix_table(rows: list[dict[str, Any]]) -> list[str]:
         if "server_cpus" in m:
             cpus = m["server_cpus"]
             out.append(f"| {r['backend']} | {r['questions']:,} | **server CPUs** | | {cpus:.2f} | | |")
+        if "client_cpus" in m:
+            cpus = m["client_cpus"]
+            out.append(f"| {r['backend']} | {r['questions']:,} | **client CPUs** | | {cpus:.2f} | | |")
     return out
 
 
@@ -995,7 +1002,8 @@ async def mix_against_floor(server: Server, floor: Server, opts: Options, combo:
             m = sides[side] = await _mix(apis[side], Trainer(seed=combo.size), prefix, opts, combo.size)
             log(
                 f"    {combo.backend} {combo.size:,} mix, {side}: {m['requests_per_s']:.2f} requests/s, "
-                f"{m['steps_per_s']:.2f} steps/s, {m['server_cpus']:.2f} CPUs, errors {m['errors'] or 0}"
+                f"{m['steps_per_s']:.2f} steps/s, {m['server_cpus']:.2f} CPUs "
+                f"(clients {m['client_cpus']:.2f}), errors {m['errors'] or 0}"
             )
     combo.result["mix_floor"] = sides
 
