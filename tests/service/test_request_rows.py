@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 from sqlalchemy import Engine, event
 
+from exgrpo_client import schemas as s
 from exgrpo_pool.store import pg_direct, sqlite_inline
 
 from .factories import B, commit_batch, correct_first, make_groups, ok, plan_batch, setup_pool
@@ -262,3 +263,39 @@ async def test_the_polled_reads_run_on_the_drivers_directly(backend: Backend) ->
     page = answers["questions"]
     assert [q["id"] for q in page["data"]] == [4, 5, 6, 7, 8] and page["next_after"] == 8
     assert page["count"] == 5 and all(q["pool"] == "p1" and q["prompt"] for q in page["data"])
+
+
+async def test_a_page_of_questions_is_written_as_its_model_writes_it(client: httpx.AsyncClient) -> None:
+    """The question page is written from the stored rows (the prompts as stored, validated on
+    import), byte for byte as `QuestionsPublic` writes the same page."""
+    await setup_pool(client, questions=3)
+    odd = {
+        "prompt": [
+            {"role": "system", "content": 'Réponds en français. \u2603 "quoted" \\ back\nslash'},
+            {"role": "user", "content": "2 + 2 = ? \U0001f600"},
+            {"role": "assistant", "content": ""},
+        ],
+        "ground_truth": "4",
+        "data_source": "odd/source",
+        "external_id": None,
+        "metadata": {
+            "level": 3,
+            "tags": ["a", "b"],
+            "w": 0.1,
+            "big": 2**53 + 1,
+            "nested": {"x": None, "y": -1.5e-7},
+        },
+    }
+    ok(await client.post("/v1/pools/p1/questions", json={"questions": [odd]}))
+    pages = []
+    for params in ({"limit": 1000}, {"limit": 2}, {"after": 2, "limit": 1}):
+        r = await client.get("/v1/pools/p1/questions", params=params)
+        page = s.QuestionsPublic.model_validate_json(r.content)
+        assert r.content == page.model_dump_json().encode(), params
+        assert r.headers["content-type"] == "application/json"
+        pages.append(page)
+    whole, first, third = pages
+    assert whole.data[-1].metadata == odd["metadata"] and whole.data[-1].external_id is None
+    assert [q.id for q in whole.data[:3]] == [q.id for q in first.data + third.data]
+    assert first.next_after == whole.data[1].id and third.next_after == whole.data[2].id
+    assert whole.next_after is None and whole.count == 4

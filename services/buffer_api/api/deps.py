@@ -318,8 +318,11 @@ IdempotencyDep = Annotated[Idempotency, Depends(idempotency)]
 
 
 def json_response(
-    obj: BaseModel | dict[str, Any], status_code: int, headers: dict[str, str] | None = None
+    obj: BaseModel | dict[str, Any] | bytes, status_code: int, headers: dict[str, str] | None = None
 ) -> Any:
+    """`obj` as a JSON response: a model, plain values, or JSON text already written."""
+    if isinstance(obj, bytes):
+        return Response(obj, status_code=status_code, media_type="application/json", headers=headers)
     if isinstance(obj, BaseModel):
         # pydantic-core writes the JSON directly: ~4x faster than json.dumps(model_dump()) on a
         # multi-megabyte batch plan

@@ -265,6 +265,20 @@ def question_public(q: AnyQuestion, pool_name: str) -> s.QuestionPublic:
     )
 
 
+def question_body(q: AnyQuestion, pool_name: str) -> dict[str, Any]:
+    """What `question_public` answers, as JSON values (the prompt as stored: validated on import)."""
+    return {
+        "id": q.id,
+        "pool": pool_name,
+        "prompt": q.prompt,
+        "ground_truth": q.ground_truth,
+        "data_source": q.data_source,
+        "external_id": q.external_id,
+        "metadata": q.meta,
+        "created_at": _json_stamp(q.created_at, q.created_at.tzinfo),
+    }
+
+
 #: While set (an answer that goes out as a binary frame), `trajectory_public` keeps the stored
 #: payload bytes as they are instead of writing them as base64 text.
 raw_payloads: contextvars.ContextVar[bool] = contextvars.ContextVar("exgrpo_raw_payloads", default=False)

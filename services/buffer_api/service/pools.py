@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pydantic import ValidationError
+from pydantic_core import to_json
 from sqlalchemy.exc import IntegrityError
 
 from exgrpo_client import schemas as s
@@ -15,6 +16,7 @@ from exgrpo_pool.service.convert import (
     checked_config,
     pool_config,
     pool_public,
+    question_body,
     question_public,
     question_row,
     run_overrides,
@@ -142,15 +144,17 @@ async def import_questions(ctx: Context, pool: Pool, req: s.QuestionsImport) -> 
     )
 
 
-async def list_questions(ctx: Context, pool_name: str, after: int, limit: int) -> s.QuestionsPublic:
-    """A page of the pool's questions (polled: plain rows, on the hot path's connections)."""
+async def list_questions(ctx: Context, pool_name: str, after: int, limit: int) -> bytes:
+    """A page of the pool's questions (polled: plain rows, on the hot path's connections), as
+    `QuestionsPublic` JSON written from the rows: the prompts as stored (validated on import, as
+    a plan sends them), no model built per question (a third of a page's CPU)."""
     async with ctx.db.read() as session:
         pool = await repo.pool_row(session, pool_name)
         if pool is None:
             raise missing_pool(pool_name)
         qs = await repo.question_page(session, pool.id, after, limit)
-    data = [question_public(q, pool.name) for q in qs]
-    return s.QuestionsPublic(data=data, count=len(data), next_after=qs[-1].id if len(qs) == limit else None)
+    data = [question_body(q, pool.name) for q in qs]
+    return to_json({"data": data, "count": len(data), "next_after": qs[-1].id if len(qs) == limit else None})
 
 
 async def question_detail(ctx: Context, pool: Pool, qid: int, *, payload: bool) -> s.QuestionDetail:
