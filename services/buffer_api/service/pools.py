@@ -147,7 +147,7 @@ async def import_questions(ctx: Context, pool: Pool, req: s.QuestionsImport) -> 
 async def list_questions(ctx: Context, pool_name: str, after: int, limit: int) -> bytes:
     """A page of the pool's questions (polled: plain rows, on the hot path's connections), as
     `QuestionsPublic` JSON written from the rows: the prompts as stored (validated on import, as
-    a plan sends them), no model built per question (a third of a page's CPU)."""
+    a plan sends them), no model built per question (about a fifth of a page's CPU)."""
     async with ctx.db.read() as session:
         pool = await repo.pool_row(session, pool_name)
         if pool is None:
