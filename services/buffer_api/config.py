@@ -132,7 +132,8 @@ class Settings(BaseSettings):
     """How the service calls a SQLite file: `inline` (`sqlite3` called from the event loop; a
     statement that finds the file locked waits on the loop, not inside SQLite) or `thread`
     (aiosqlite: each connection's calls run in its own thread, four hand-offs per statement).
-    Postgres ignores it; with `workers` > 1 it is always `thread`."""
+    Postgres ignores it. With `workers` > 1 a statement that finds the file locked by another
+    process waits on the loop too."""
     max_active_requests: int = Field(8, ge=0)
     """Requests a service process handles at once (0: no limit); the rest wait in arrival order.
     All of a process's requests share one event loop, and a write holds the database's write lock

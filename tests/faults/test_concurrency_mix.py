@@ -1,13 +1,15 @@
-"""The concurrency mix: about fifty clients at once against real `exgrpo serve` processes (one, or
-two replicas sharing Postgres and Redis) for a bounded time: trainers planning and committing on
-runs of a per_run pool and of a pooled pool (whose concurrent plans rebuild the shared index),
-producers ingesting, readers of stats, selections, questions and runs, and index rebuilds.
-Required: no 5xx answer, every write answered 2xx, and afterwards the runs' steps and the sampling
-index agree with what the clients did."""
+"""The concurrency mix: about fifty clients at once against real `exgrpo serve` processes (one, two
+replicas sharing Postgres and Redis, or one `exgrpo serve --workers 2` on a SQLite file with Redis,
+whose processes take turns at the file on their event loops) for a bounded time: trainers
+planning and committing on runs of a per_run pool and of a pooled pool (whose concurrent plans
+rebuild the shared index), producers ingesting, readers of stats, selections, questions and runs,
+and index rebuilds. Required: no 5xx answer, every write answered 2xx, and afterwards the runs'
+steps and the sampling index agree with what the clients did."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import Counter
@@ -20,7 +22,7 @@ from service.factories import K, group, question_body
 from service.harness import ADMIN_TOKEN, Backend, bearer
 
 from .conftest import OwnRedis
-from .procs import FAULT_TRIALS, ServiceProcess, scaled, service_env
+from .procs import FAULT_TRIALS, RedisServer, ServiceProcess, scaled, service_env
 
 pytestmark = pytest.mark.faults
 
@@ -154,28 +156,36 @@ async def _mix(urls: list[str]) -> Mix:
     ("store", "replicas"),
     [
         ("sqlite", 1),
+        ("sqlite-workers", 1),
         pytest.param("postgres", 2, marks=pytest.mark.postgres),
         # one replica on Postgres + Redis as well in the long version (the default run stays short)
         *([pytest.param("postgres", 1, marks=pytest.mark.postgres)] if FAULT_TRIALS else []),
     ],
 )
 def test_concurrency_mix(store: str, replicas: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    if store == "postgres":
-        own: OwnRedis = request.getfixturevalue("own_redis")
-        backend = own.backend
-    else:
-        backend = Backend("sqlite-file", f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", None, "unused")
-    services = [
-        ServiceProcess(service_env(backend, db_pool_size=20), tmp_path / f"service-{i}.log")
-        for i in range(replicas)
-    ]
-    try:
-        for svc in services:
-            svc.start()
-        mix = asyncio.run(_mix([svc.url for svc in services]))
-    finally:
-        for svc in services:
-            svc.stop()
+    settings: dict[str, Any] = {"db_pool_size": 20}
+    with contextlib.ExitStack() as stack:
+        if store == "postgres":
+            own: OwnRedis = request.getfixturevalue("own_redis")
+            backend = own.backend
+        elif store == "sqlite-workers":
+            redis = stack.enter_context(RedisServer(tmp_path / "redis"))
+            url = f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}"
+            backend = Backend("sqlite-file", url, redis.url, "exgrpo-mix")
+            settings["workers"] = 2
+        else:
+            backend = Backend("sqlite-file", f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", None, "unused")
+        services = [
+            ServiceProcess(service_env(backend, **settings), tmp_path / f"service-{i}.log")
+            for i in range(replicas)
+        ]
+        try:
+            for svc in services:
+                svc.start()
+            mix = asyncio.run(_mix([svc.url for svc in services]))
+        finally:
+            for svc in services:
+                svc.stop()
     total = sum(mix.statuses.values())
     print(f"\nconcurrency mix, {store}, {replicas} replica(s), {SECONDS} s: {total} requests {mix.statuses}")
     assert not mix.bad, f"{len(mix.bad)} answers not 2xx of {total}:\n" + "\n".join(mix.bad[:10])

@@ -60,12 +60,50 @@ async def test_where_a_statement_runs(tmp_path: Path, inline: bool) -> None:
     assert busy_timeout == (0 if inline else 30000)
 
 
-async def test_a_file_written_by_several_processes_keeps_the_thread_driver(tmp_path: Path) -> None:
+async def test_a_file_written_by_several_processes_runs_its_hot_path_on_the_loop(tmp_path: Path) -> None:
     db = Database(_url(tmp_path), sqlite_inline=True, shared_file=True)
     try:
-        assert await _thread_of_a_statement(db) != threading.get_ident()
+        assert await _thread_of_a_statement(db) == threading.get_ident()
+        assert await _thread_of_a_statement(db, hot=False) != threading.get_ident()
     finally:
         await db.close()
+
+
+async def test_processes_on_one_file_take_turns_on_the_loop_and_lose_no_update(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `Database`s on one file stand for two processes (`exgrpo serve --workers 2`): each write
+    block reads a counter, gives the loop away while it holds SQLite's write lock, and writes the
+    counter plus one. The other's BEGIN IMMEDIATE finds the file locked and waits on the loop (a
+    wait inside SQLite would hold up the loop, and with it the holder: no block could finish)."""
+    url = _url(tmp_path)
+    first, second = (Database(url, sqlite_inline=True, shared_file=True) for _ in range(2))
+    waits: list[int] = []
+    busy = sqlite_inline._busy
+
+    def counted(error: sqlite3.OperationalError) -> bool:
+        waits.append(1)
+        return busy(error)
+
+    async def increment(db: Database) -> None:
+        with db.hot():
+            async with db.write() as session:
+                n = (await session.execute(text("SELECT n FROM counter"))).scalar_one()
+                await asyncio.sleep(0.01)  # the other process tries meanwhile
+                await session.execute(text("UPDATE counter SET n = :n"), {"n": n + 1})
+
+    try:
+        async with first.write() as session:
+            await session.execute(text("CREATE TABLE counter (n INTEGER NOT NULL)"))
+            await session.execute(text("INSERT INTO counter VALUES (0)"))
+        monkeypatch.setattr(sqlite_inline, "_busy", counted)
+        await asyncio.gather(*(increment(db) for _ in range(5) for db in (first, second)))
+        async with second.read() as session:
+            assert (await session.execute(text("SELECT n FROM counter"))).scalar_one() == 10
+        assert waits  # the file was found locked by the other, and waited for on the loop
+    finally:
+        await first.close()
+        await second.close()
 
 
 async def _hold_the_write_lock(db: Database, holding: asyncio.Event, release: asyncio.Event) -> None:
