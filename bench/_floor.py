@@ -268,8 +268,8 @@ class Floor:
             if not cands:
                 continue
             q = questions[qid]
-            out = []
-            for t in cands if payload else ():
+            out = []  # ids only: no candidate goes out
+            for t in cands if payload else []:
                 out.append(
                     {
                         "id": t[0],
