@@ -144,17 +144,23 @@ def slots(body: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def encode(body: dict[str, Any], payloads: Sequence[tuple[Any, Any] | None]) -> bytes:
     """A frame of `body` (without payload fields) and one payload per slot: (ids, log-probs) as
     numpy arrays or packed little-endian bytes, or None."""
-    lengths = np.empty(len(payloads), dtype="<i4")
+    counts: list[int] = []
     ids: list[bytes | memoryview] = []
     lps: list[bytes | memoryview] = []
-    for i, p in enumerate(payloads):
+    for p in payloads:
         if p is None:
-            lengths[i] = -1
+            counts.append(-1)
             continue
-        a, b = _raw(p[0], s.ID_DTYPE), _raw(p[1], s.LOGPROB_DTYPE)
-        lengths[i] = len(a) // 4
+        a, b = p
+        # stored payloads come as bytes: taken as they are, without a call each
+        if type(a) is not bytes:
+            a = _raw(a, s.ID_DTYPE)
+        if type(b) is not bytes:
+            b = _raw(b, s.LOGPROB_DTYPE)
+        counts.append(len(a) // 4)
         ids.append(a)
         lps.append(b)
+    lengths = np.array(counts, dtype="<i4")
     # the map written piece by piece, so the payload bytes are copied once (into the join), not
     # gathered into one buffer first and then copied again into msgpack's growing one
     pack = msgpack.Packer(use_bin_type=True)
@@ -167,10 +173,10 @@ def encode(body: dict[str, Any], payloads: Sequence[tuple[Any, Any] | None]) -> 
         pack.pack("lengths"),
         pack.pack(lengths.tobytes()),
         pack.pack("token_ids"),
-        _bin_header(sum(len(a) for a in ids)),
+        _bin_header(sum(map(len, ids))),
         *ids,
         pack.pack("logprobs"),
-        _bin_header(sum(len(b) for b in lps)),
+        _bin_header(sum(map(len, lps))),
         *lps,
     ]
     return b"".join(parts)

@@ -366,11 +366,18 @@ def predecode(groups: list[s.GroupResult]) -> None:
     finds them (a frame's rollouts hold theirs already)."""
     for gi, g in enumerate(groups):
         for ri, r in enumerate(g.rollouts):
-            sent = r.token_ids, r.token_ids_b64, r.logprobs, r.logprobs_b64
-            if packed_of(r) is None and sent != (None, None, None, None):
-                payload = decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
-                if payload is not None:
-                    set_packed(r, (payload[0].tobytes(), payload[1].tobytes()))
+            if packed_of(r) is not None:
+                continue  # a frame's, or decoded already
+            if (
+                r.token_ids is None
+                and r.token_ids_b64 is None
+                and r.logprobs is None
+                and r.logprobs_b64 is None
+            ):
+                continue  # no payload sent
+            payload = decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
+            if payload is not None:
+                set_packed(r, (payload[0].tobytes(), payload[1].tobytes()))
 
 
 def decode_payload(r: s.Payload, where: str) -> tuple[np.ndarray, np.ndarray] | None:
