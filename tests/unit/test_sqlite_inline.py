@@ -9,6 +9,7 @@ import contextlib
 import sqlite3
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -194,3 +195,76 @@ async def test_the_service_takes_the_setting(tmp_path: Path, driver: str) -> Non
     async with app.router.lifespan_context(app):
         ran_on = await _thread_of_a_statement(app.state.ctx.db)
     assert (ran_on == threading.get_ident()) is (driver == "inline")
+
+
+async def _counter_table(db: Database) -> None:
+    async with db.write() as session:
+        await session.execute(text("CREATE TABLE counter (n INTEGER NOT NULL)"))
+        await session.execute(text("INSERT INTO counter VALUES (0)"))
+
+
+async def test_a_hot_session_is_closed_without_a_task_of_its_own(tmp_path: Path) -> None:
+    """SQLAlchemy's `async with` closes a session in a task shielded from cancellation (two more
+    turns of the loop per request); an inline session's close never waits, and is awaited
+    directly. The connection is back in the pool all the same."""
+    db = Database(_url(tmp_path), sqlite_inline=True)
+    started: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kw: Any) -> asyncio.Task[Any]:
+        started.append(getattr(coro, "__qualname__", repr(coro)))
+        return asyncio.Task(coro, loop=loop, **kw)
+
+    try:
+        await _counter_table(db)
+        await db.settle()
+        assert db.hot_engine is not None
+        pool = db.hot_engine.sync_engine.pool
+        loop.set_task_factory(factory)
+        with db.hot():
+            async with db.read() as session:
+                assert (await session.execute(text("SELECT n FROM counter"))).scalar_one() == 0
+            async with db.write() as session:
+                await session.execute(text("UPDATE counter SET n = n + 1"))
+        loop.set_task_factory(None)
+        # the write's background WAL checkpoint is its only task
+        assert [name for name in started if "checkpoint" not in name] == []
+        assert pool.checkedout() == 0  # type: ignore[attr-defined]
+        with db.hot():
+            async with db.read() as session:
+                assert (await session.execute(text("SELECT n FROM counter"))).scalar_one() == 1
+    finally:
+        loop.set_task_factory(None)
+        await db.close()
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
+async def test_a_cancelled_hot_request_gives_its_connection_back(tmp_path: Path, write: bool) -> None:
+    """A request cancelled inside its session (a client gone, a shutdown) leaves no connection
+    checked out and, for a write, nothing written; the next requests run."""
+    db = Database(_url(tmp_path), sqlite_inline=True)
+    inside = asyncio.Event()
+
+    async def request() -> None:
+        with db.hot():
+            async with db.write() if write else db.read() as session:
+                await session.execute(text("UPDATE counter SET n = 7" if write else "SELECT n FROM counter"))
+                inside.set()
+                await asyncio.sleep(30)
+
+    try:
+        await _counter_table(db)
+        task = asyncio.create_task(request())
+        await inside.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert db.hot_engine is not None
+        assert db.hot_engine.sync_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        with db.hot():
+            async with db.write() as session:
+                await session.execute(text("UPDATE counter SET n = n + 1"))
+            async with db.read() as session:
+                assert (await session.execute(text("SELECT n FROM counter"))).scalar_one() == 1
+    finally:
+        await db.close()
