@@ -9,6 +9,12 @@ loop's poll, a pool worker's queue) are left out. A C function is counted to the
 that called it (py-spy without --native): SHA-256 inside the floor's commit is counted as the
 floor's own Python, the service's in `commit_digest` as hashing.
 
+The samples are taken by the wall clock, and a thread that waits for a CPU counts as busy: on a
+machine of two CPUs the service's digest thread, running beside its event loop, makes the loop's
+own statements look longer than the floor's same ones (up to twice, for the same inserts). Read the
+table for where each side's time goes; compare the two sides' totals with `pool_bench.py`'s CPU
+counters.
+
 Needs `py-spy` on PATH (not a dependency of the project: `pip install py-spy`), and the right to
 read the processes' memory (root, or ptrace allowed). The seeded pool comes from `pool_bench.py`.
 
