@@ -218,7 +218,7 @@ def _trajectory_frame(frame: dict[str, Any]) -> TrajectoryFrame:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ExportFormatError(f"trajectories[{i}] is not a map")
-        given = [f for f in frames.JSON_FIELDS if f in entry]
+        given = frames.json_fields_in(entry)
         if given:
             raise ExportFormatError(
                 f"trajectories[{i}]: a frame carries payloads in its buffers, not in {', '.join(given)}"

@@ -32,6 +32,16 @@ from exgrpo_client import schemas as s
 MEDIA_TYPE = "application/x-msgpack"
 VERSION = 1
 JSON_FIELDS = ("token_ids", "token_ids_b64", "logprobs", "logprobs_b64")
+_JSON_FIELD_SET = frozenset(JSON_FIELDS)
+
+
+def json_fields_in(slot: dict[str, Any]) -> list[str]:
+    """The JSON payload fields a frame's slot carries (a frame carries none: its payloads are in
+    its buffers). One set test in C for a slot without any: a commit has a thousand slots."""
+    if _JSON_FIELD_SET.isdisjoint(slot):
+        return []
+    return [f for f in JSON_FIELDS if f in slot]
+
 
 Arrays = tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]
 M = TypeVar("M", bound=BaseModel)

@@ -244,7 +244,7 @@ class Database:
             await shared.session.flush()
             return
         lock = self._write_lock or contextlib.nullcontext()
-        async with lock, self._session(self._sessions()) as session, session.begin():
+        async with lock, self._session() as session, session.begin():
             if self._begin_immediate:
                 # sqlite3 sees the transaction open and issues no BEGIN of its own; COMMIT and
                 # ROLLBACK end it as usual
@@ -344,17 +344,18 @@ class Database:
         if shared is not None:
             yield shared.session
             return
-        async with self._session(self._sessions(read=True)) as session:
+        async with self._session(read=True) as session:
             yield session
 
     @contextlib.asynccontextmanager
-    async def _session(self, sessions: async_sessionmaker[AsyncSession]) -> AsyncIterator[AsyncSession]:
-        """A session of `sessions`, closed when the block ends. SQLAlchemy's `async with` closes
+    async def _session(self, *, read: bool = False) -> AsyncIterator[AsyncSession]:
+        """A session of `_sessions(read=read)`, closed when the block ends. SQLAlchemy's `async with` closes
         a session in a task it shields from cancellation: ~70 us and two more turns of the event
         loop per request. The inline SQLite driver's close never waits (it calls `sqlite3`, whose
         ROLLBACK finds no lock to wait for), so nothing can cancel it halfway: its sessions are
         closed by awaiting the close itself. Every other driver keeps the shielded close."""
-        if sessions is not self.hot_sessions or self.hot_engine is None:
+        sessions = self._sessions(read=read)
+        if self.hot_engine is None or sessions is not self.hot_sessions:
             async with sessions() as session:
                 yield session
             return
