@@ -253,14 +253,15 @@ class Floor:
         states = await self._states(run_id, qids)
         picks = [p for p in picks if (st := states.get(p[0])) is not None and st[0] and not st[1]]
         trajs: dict[int, list[Any]] = {}
-        # ids only: whether a question has a candidate at all (no candidate goes out)
-        cols = f"{_TRAJ_COLS}, token_ids, logprobs" if payload else "id, question_id"
-        for t in await self.db.fetch(
-            f"SELECT {cols} FROM trajectory WHERE scope = ? AND question_id IN ({marks}) ORDER BY id",
-            run_id,
-            *qids,
-        ):
-            trajs.setdefault(int(t[1]), []).append(t)
+        where = f"FROM trajectory WHERE scope = ? AND question_id IN ({marks})"
+        if payload:
+            for t in await self.db.fetch(
+                f"SELECT {_TRAJ_COLS}, token_ids, logprobs {where} ORDER BY id", run_id, *qids
+            ):
+                trajs.setdefault(int(t[1]), []).append(t)
+        else:  # ids only: whether a question has a candidate at all, one row each (as the service)
+            for t in await self.db.fetch(f"SELECT DISTINCT question_id {where}", run_id, *qids):
+                trajs[int(t[0])] = [t]
         questions = await self._questions([p[0] for p in picks])
         items, payloads = [], []
         for qid, bucket, prob in picks:

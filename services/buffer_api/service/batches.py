@@ -6,8 +6,8 @@ import logging
 import secrets
 import uuid
 from collections import Counter
-from collections.abc import Awaitable
-from dataclasses import replace
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -185,13 +185,31 @@ async def _draw_fresh(
 
 # ----------------------------------------------------------------------------- replay choice
 #: what `_pick_replay` reads of the candidates when they do not go out whole (`all` reads all),
-#: their steps too under a `max_replay_age`. Ids alone are in the trajectories' unique index: on
-#: SQLite a read of them never touches the rows (one random page each on a pool larger than the
-#: page cache: 1.7 -> 0.4 ms for 64 questions of the seeded 1M pool).
+#: their steps too under a `max_replay_age`; ids only (`none`) reads which questions have one
+#: (`repo.questions_with_trajectories`).
 _CANDIDATE_COLUMNS: dict[str, tuple[str, ...]] = {
-    "none": ("id", "question_id"),
     "lowest_stored_entropy": ("id", "question_id", "entropy"),
 }
+
+
+@dataclass(slots=True)
+class _Pick:
+    """A replayed question as `_pick_replay` draws it: the fields of `StoredPick`, without a
+    model validated per question (~2-3 us each, 64 a selection) where nothing is stored; a plan
+    stores them as `StoredPick`s (`stored`)."""
+
+    question_id: int
+    bucket: int
+    probability: float
+    candidates: list[int] = field(default_factory=list)
+
+    def stored(self) -> s.StoredPick:
+        return s.StoredPick(
+            question_id=self.question_id,
+            bucket=self.bucket,
+            probability=self.probability,
+            candidates=self.candidates,
+        )
 
 
 async def _pick_replay(
@@ -204,7 +222,7 @@ async def _pick_replay(
     rng: np.random.Generator,
     mode: s.CandidateMode,
     step: int,
-) -> tuple[list[s.StoredPick], dict[int, Row[Any]]]:
+) -> tuple[list[_Pick], dict[int, Row[Any]]]:
     """The replayed questions, each with its candidates' ids, and the candidates' rows as read:
     with their payloads when every candidate goes out (`all`), else without (`_replay_items` reads
     the payloads of the chosen ones by id). `step`: the run's current step; with
@@ -216,17 +234,17 @@ async def _pick_replay(
     for d in draws:
         ranks.setdefault(d.bucket, []).append(d.index)
     ids = await ctx.index.pick(scope, ranks)
-    picks: list[s.StoredPick] = []
+    picks: list[_Pick] = []
     cursor = dict.fromkeys(ranks, 0)
     for d in draws:
         members = ids[d.bucket]
         if cursor[d.bucket] < len(members):
             picks.append(
-                s.StoredPick(
-                    question_id=members[cursor[d.bucket]],
-                    bucket=d.bucket,
+                _Pick(
+                    question_id=int(members[cursor[d.bucket]]),
+                    bucket=int(d.bucket),
                     # the question's: its bucket's, shared by the bucket's questions (uniform within)
-                    probability=d.probability / sizes[d.bucket],
+                    probability=float(d.probability / sizes[d.bucket]),
                 )
             )
         cursor[d.bucket] += 1
@@ -237,6 +255,11 @@ async def _pick_replay(
         log.warning("index out of date for scope %s: %d stale picks dropped", scope, len(picks) - len(valid))
         await ctx.index.drop(scope)
     oldest = None if rules.max_replay_age is None else step - rules.max_replay_age
+    if mode == "none":  # no candidate goes out: a question needs one stored, that is all
+        have = await repo.questions_with_trajectories(
+            session, [p.question_id for p in valid], scope=scopes.trajectories, min_step=oldest
+        )
+        return [p for p in valid if p.question_id in have], {}
     only = _CANDIDATE_COLUMNS.get(mode)
     trajs = await repo.trajectories_of(
         session,
@@ -265,7 +288,7 @@ async def _pick_replay(
 
 async def _replay_items(
     session: AsyncSession,
-    picks: list[s.StoredPick],
+    picks: Sequence[s.StoredPick | _Pick],
     k: int,
     *,
     questions: dict[int, Row[Any]] | None = None,
@@ -370,7 +393,7 @@ async def _plan_version(session: AsyncSession, run: RunRow, req: s.BatchCreate) 
 
 
 def _task_rows(
-    batch: BatchRow, fresh: list[int], picks: list[s.StoredPick], k: int, req: s.BatchCreate
+    batch: BatchRow, fresh: list[int], picks: list[_Pick], k: int, req: s.BatchCreate
 ) -> list[dict[str, object]]:
     """One generation task per planned question: K samples of a fresh one, K-1 of a replayed one,
     to be generated with exactly the batch's policy version, or (asynchronous plans) with any
@@ -430,7 +453,7 @@ async def plan_batch(
         plan = s.StoredPlan(
             k=rules.k,
             fresh=fresh,
-            replay=picks,
+            replay=[p.stored() for p in picks],
             num_eligible=sum(sizes.values()),
             skipped_fresh=rules.batch_size - len(fresh),
             epoch=run.epoch,

@@ -225,7 +225,7 @@ async def _enforce_capacity(
     for tscope, qid in evicted:
         by_scope.setdefault(tscope, set()).add(qid)
     for tscope, qids in by_scope.items():
-        empty = qids - await repo.questions_with_trajectories(session, tscope, list(qids))
+        empty = qids - await repo.questions_with_trajectories(session, list(qids), scope=tscope)
         if not empty:
             continue
         # a run's own trajectories feed its own states; the pool's feed every state of the pool
