@@ -19,6 +19,7 @@ from asyncpg import exceptions as asyncpg_errors
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 from sqlalchemy import text
@@ -436,15 +437,47 @@ def keep_freed_memory() -> bool:
 
 
 def add_routers(app: FastAPI, *routers: APIRouter) -> None:
-    """The routers' routes, in the routers' order, as the app's own: one flat list. Our routers
-    carry their prefixes, tags and route classes themselves, so their routes are whole as they
-    are; `include_router` (FastAPI 0.165) would add one wrapper per router, and a request is then
-    matched against the routes of every router before its own, and against its own router's
-    routes twice, ~60 path matches for a run's stats (60-110 us of CPU a small request, in process,
-    alternating). No two routes take the same request (`tests/unit/test_routes_flat.py`), so
-    their order decides nothing."""
+    """The routers' routes, in the routers' order, as the app's own: one flat list, each route
+    made anew for this app (`add_api_route`, as `include_router` made them before FastAPI 0.165),
+    so the app's `dependency_overrides` reach them and two apps share none. Our routers carry
+    their prefixes, tags and route classes themselves. `include_router` (FastAPI 0.165) adds one
+    wrapper per router instead, and a request is then matched against the routes of every router
+    before its own, and against its own router's routes twice: ~60 path matches for a run's stats
+    (60-110 us of CPU a small request, in process, alternating). No two routes take the same
+    request (`tests/unit/test_routes_flat.py`), so their order decides nothing."""
     for router in routers:
-        app.router.routes.extend(router.routes)
+        for route in router.routes:
+            if not isinstance(route, APIRoute):
+                app.router.routes.append(route)
+                continue
+            app.router.add_api_route(
+                route.path,
+                route.endpoint,
+                response_model=route.response_model,
+                status_code=route.status_code,
+                tags=route.tags,
+                dependencies=route.dependencies,
+                summary=route.summary,
+                description=route.description,
+                response_description=route.response_description,
+                responses=route.responses,
+                deprecated=route.deprecated,
+                methods=route.methods,
+                operation_id=route.operation_id,
+                response_model_include=route.response_model_include,
+                response_model_exclude=route.response_model_exclude,
+                response_model_by_alias=route.response_model_by_alias,
+                response_model_exclude_unset=route.response_model_exclude_unset,
+                response_model_exclude_defaults=route.response_model_exclude_defaults,
+                response_model_exclude_none=route.response_model_exclude_none,
+                include_in_schema=route.include_in_schema,
+                response_class=route.response_class,
+                name=route.name,
+                route_class_override=type(route),
+                callbacks=route.callbacks,
+                openapi_extra=route.openapi_extra,
+                generate_unique_id_function=route.generate_unique_id_function,
+            )
 
 
 def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:

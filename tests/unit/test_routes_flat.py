@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
@@ -70,3 +71,27 @@ def test_the_api_is_the_one_of_the_included_routers(monkeypatch: pytest.MonkeyPa
     assert flat.openapi() == nested.openapi()
     assert sorted(flat.openapi()["paths"]) == sorted(nested.openapi()["paths"])
     assert len(flat.openapi()["paths"]) > 20
+
+
+async def test_the_apps_dependency_overrides_reach_every_route(tmp_path: Any) -> None:
+    """Each app has routes of its own: its `dependency_overrides` apply to the routers' routes as
+    to its own, and not to another app's."""
+    from asgi_lifespan import LifespanManager
+
+    from exgrpo_pool.api import deps
+    from exgrpo_pool.errors import Forbidden
+
+    async def deny() -> None:
+        raise Forbidden("overridden")
+
+    settings = Settings(allow_anonymous=True, database_url=f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}")
+    overridden, plain = create_app(settings), create_app(settings)
+    overridden.dependency_overrides[deps.require_read] = deny
+    for app, status in ((overridden, 403), (plain, 404)):
+        async with (
+            LifespanManager(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pool.test") as client,
+        ):
+            for path in ("/v1/pools/p1/stats", "/v1/pools/p1/runs/r1/stats", "/v1/pools/p1/questions"):
+                r = await client.get(path)
+                assert r.status_code == status, (path, r.text)
