@@ -16,13 +16,13 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.responses import Response
-from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from exgrpo_client import frames
 from exgrpo_client import schemas as s
 from exgrpo_pool.api.deps import json_response
+from exgrpo_pool.api.lean import LeanRoute
 from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.jsonread import UNPARSED, parsed
 from exgrpo_pool.service.convert import Answer, predecode, raw_payloads
@@ -44,7 +44,7 @@ def _where(body: dict[str, Any], slot: int) -> str:
     return f"payload slot {slot}"
 
 
-class FrameRoute(APIRoute):
+class FrameRoute(LeanRoute):
     """A route that also takes its body as a frame (`Content-Type: application/x-msgpack`), if it
     declares so (`openapi_extra=frame_body(...)`)."""
 

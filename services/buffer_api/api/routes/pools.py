@@ -21,12 +21,13 @@ from exgrpo_pool.api.deps import (
     WritePool,
     json_response,
 )
+from exgrpo_pool.api.lean import LeanRoute, lean
 from exgrpo_pool.api.wire import frame_answer, frame_body
 from exgrpo_pool.errors import Forbidden
 from exgrpo_pool.service import pools as svc
 from exgrpo_pool.service import transfer
 
-router = APIRouter(prefix="/v1/pools", tags=["pools"])
+router = APIRouter(prefix="/v1/pools", tags=["pools"], route_class=LeanRoute)
 
 _NDJSON = "application/x-ndjson"
 _RECORDS = (
@@ -102,6 +103,7 @@ async def delete_pool(
 
 
 @router.get("/{pool}/stats", response_model=s.PoolStats)
+@lean
 async def pool_stats(pool: ReadPoolName, ctx: ContextDep) -> object:
     with ctx.db.hot():
         return json_response(await svc.pool_stats(ctx, pool), 200)
@@ -115,6 +117,7 @@ async def import_questions(
 
 
 @router.get("/{pool}/questions", response_model=s.QuestionsPublic)
+@lean
 async def list_questions(
     pool: ReadPoolName,
     ctx: ContextDep,

@@ -19,6 +19,7 @@ from exgrpo_pool.api.deps import (
     WritePoolName,
     json_response,
 )
+from exgrpo_pool.api.lean import lean
 from exgrpo_pool.api.wire import FrameRoute, WireDep, frame_answer, frame_body
 from exgrpo_pool.service import batches, leases, tasks
 from exgrpo_pool.service import pools as svc
@@ -87,6 +88,7 @@ async def release_lease(
 
 
 @router.get("/{run}/stats", response_model=s.RunStats)
+@lean
 async def run_stats(run: RunName, pool: ReadPoolName, ctx: ContextDep) -> object:
     with ctx.db.hot():
         return json_response(await svc.run_stats(ctx, pool, run), 200)

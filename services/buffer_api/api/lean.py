@@ -1,0 +1,171 @@
+"""The polled GET routes answered without FastAPI's generic dependency solver.
+
+A run's stats, the pool's stats and a page of questions are read every few seconds by dashboards
+and trainers. Their own work is a fraction of a millisecond; FastAPI 0.165's solver, which asks of
+every dependency on every request what kind of callable it is, which cache key and scopes it has
+and which exit stack it needs, cost ~0.25-0.3 ms of CPU more per request (in process, a run's
+stats through `route.handle`: 797-932 us, of which the endpoint 450-560).
+
+`LeanRoute` compiles such a route's dependencies once, when the route is made, into the order in
+which FastAPI solves them (each dependency's own dependencies first, then its path, query and
+header parameters), and runs them so on every request: the very same dependency functions, the
+same parameter validation (`request_params_to_args`, FastAPI's own), each dependency once per
+request (FastAPI's cache), the same errors in the same order (`RequestValidationError`). A route
+takes this path only when its endpoint is marked `@lean` and returns a `Response` itself, and only
+while the app overrides no dependency; a marked route whose dependencies need more than this
+(a body, a generator, a sync function, security scopes, a `Response` or `BackgroundTasks`
+parameter) is refused when the app is made, not served differently. Nothing is skipped: a
+dependency added to a lean route later runs on this path too. `tests/service/test_lean_routes.py`
+compares its answers with FastAPI's, request by request.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.dependencies.models import Dependant
+from fastapi.dependencies.utils import request_params_to_args
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_LEAN = "__exgrpo_lean__"
+
+
+def lean(endpoint: F) -> F:
+    """Mark a GET endpoint that returns a `Response` for `LeanRoute`'s path."""
+    setattr(endpoint, _LEAN, True)
+    return endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """A dependency (or the endpoint, `name` None) as FastAPI solves it."""
+
+    name: str | None
+    call: Callable[..., Any]
+    subs: tuple[_Step, ...]
+    dependant: Dependant
+    #: whether solving it (its own dependencies included) validates any parameter: FastAPI solves
+    #: a cached dependency's own dependencies again, and their errors count again
+    checks: bool
+
+    async def solve(
+        self, request: Request, cache: dict[Callable[..., Any], Any], errors: list[Any]
+    ) -> dict[str, Any] | None:
+        """The values to call this step with, or None where a parameter or a dependency of it
+        failed validation (the errors added to `errors`, as FastAPI adds them)."""
+        values: dict[str, Any] = {}
+        failed = False
+        for sub in self.subs:
+            if sub.call in cache and not sub.checks:
+                if sub.name is not None:
+                    values[sub.name] = cache[sub.call]
+                continue
+            sub_values = await sub.solve(request, cache, errors)
+            if sub_values is None:
+                failed = True
+                continue
+            if sub.call in cache:
+                solved = cache[sub.call]
+            else:
+                solved = cache[sub.call] = await sub.call(**sub_values)
+            if sub.name is not None:
+                values[sub.name] = solved
+        d = self.dependant
+        for fields, received in (
+            (d.path_params, request.path_params),
+            (d.query_params, request.query_params),
+            (d.header_params, request.headers),
+        ):
+            if fields:
+                got, errs = request_params_to_args(fields, received)
+                values.update(got)
+                if errs:
+                    errors += errs
+                    failed = True
+        if d.request_param_name:
+            values[d.request_param_name] = request
+        return None if failed else values
+
+
+def _unsupported(d: Dependant, *, endpoint: bool) -> str | None:
+    """Why `LeanRoute` cannot solve `d` as FastAPI does (None: it can)."""
+    if d.body_params or d.cookie_params:
+        return "a body or cookie parameter"
+    for what in (
+        "websocket_param_name",
+        "http_connection_param_name",
+        "response_param_name",
+        "background_tasks_param_name",
+        "security_scopes_param_name",
+    ):
+        if getattr(d, what, None):
+            return f"a parameter FastAPI fills itself ({what})"
+    if d.own_oauth_scopes or d.parent_oauth_scopes:
+        return "security scopes"
+    if getattr(d, "concurrency", None) is not None:
+        return "a concurrency limit"
+    if not endpoint and not d.use_cache:
+        return "a dependency without FastAPI's cache (use_cache=False)"
+    call = d.call
+    if call is None or not inspect.iscoroutinefunction(call):
+        return f"{getattr(call, '__qualname__', call)} is not an async function"
+    for sub in d.dependencies:
+        why = _unsupported(sub, endpoint=False)
+        if why is not None:
+            return why
+    return None
+
+
+def _compile(d: Dependant) -> _Step:
+    subs = tuple(_compile(sub) for sub in d.dependencies)
+    checks = bool(d.path_params or d.query_params or d.header_params) or any(s.checks for s in subs)
+    assert d.call is not None  # `_unsupported` has checked it
+    return _Step(d.name, d.call, subs, d, checks)
+
+
+def compile_route(route: APIRoute) -> _Step:
+    """The route's endpoint as a `_Step`; ValueError where it cannot take the lean path."""
+    if (route.methods or set()) - {"GET", "HEAD"} or route.body_field is not None:
+        raise ValueError(f"{route.path}: only GET routes without a body take the lean path")
+    why = _unsupported(route.dependant, endpoint=True)
+    if why is not None:
+        raise ValueError(f"{route.path} cannot take the lean path: {why}")
+    return _compile(route.dependant)
+
+
+class LeanRoute(APIRoute):
+    """An `APIRoute` whose `@lean` endpoint is answered by its compiled dependencies."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+        if not getattr(self.endpoint, _LEAN, False):
+            return handle
+        step = compile_route(self)
+        endpoint = step.call
+
+        async def lean_handler(request: Request) -> Response:
+            if request.app.dependency_overrides:  # FastAPI's solver applies them
+                return await handle(request)
+            errors: list[Any] = []
+            values = await step.solve(request, {}, errors)
+            if values is None:
+                raise RequestValidationError(errors)
+            response = await endpoint(**values)
+            if not isinstance(response, Response):
+                raise TypeError(f"{self.path}: a @lean endpoint returns a Response, not {type(response)}")
+            return response
+
+        return lean_handler
+
+
+def lean_routes(routes: Sequence[Any]) -> list[str]:
+    """The paths of the routes that take the lean path."""
+    return [r.path for r in routes if isinstance(r, LeanRoute) and getattr(r.endpoint, _LEAN, False)]
