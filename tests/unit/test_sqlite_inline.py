@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import Settings
-from exgrpo_pool.store import sqlite_inline
-from exgrpo_pool.store.db import Database
+from exgrpo_pool.store import repo, sqlite_inline
+from exgrpo_pool.store.db import WARM_READS, Database
 
 
 def _url(tmp_path: Path) -> str:
@@ -268,3 +269,92 @@ async def test_a_cancelled_hot_request_gives_its_connection_back(tmp_path: Path,
                 assert (await session.execute(text("SELECT n FROM counter"))).scalar_one() == 1
     finally:
         await db.close()
+
+
+async def _read_counter(db: Database) -> tuple[AsyncSession, int]:
+    """A hot read of the counter through the repo's driver statements (as the hot reads run)."""
+    with db.hot():
+        async with db.read() as session:
+            conn = await repo._connection(session)
+            rows = await repo._driver_rows(conn, "SELECT n FROM counter", ())
+    return session, int(rows[0][0])
+
+
+def _checked_out(db: Database) -> int:
+    assert db.hot_engine is not None
+    return int(db.hot_engine.sync_engine.pool.checkedout())  # type: ignore[attr-defined]
+
+
+async def test_a_hot_read_keeps_its_session_for_the_next_and_sees_every_commit(tmp_path: Path) -> None:
+    """A hot read's session and its connection serve the next hot read (no checkout, no close in
+    between); it holds no snapshot meanwhile: what a write commits in between is read."""
+    db = Database(_url(tmp_path), sqlite_inline=True)
+    try:
+        await _counter_table(db)
+        first, n = await _read_counter(db)
+        assert n == 0 and _checked_out(db) == 1
+        raw = repo.held_sqlite(first)
+        assert raw is not None and not raw.in_transaction
+        again, n = await _read_counter(db)
+        assert again is first and repo.held_sqlite(again) is raw and n == 0
+        with db.hot():
+            async with db.write() as session:
+                await session.execute(text("UPDATE counter SET n = n + 1"))
+        _, n = await _read_counter(db)
+        assert n == 1
+        # a write through another connection, off the hot path, is read too
+        async with db.write() as session:
+            await session.execute(text("UPDATE counter SET n = n + 1"))
+        _, n = await _read_counter(db)
+        assert n == 2
+    finally:
+        await db.close()
+    assert _checked_out(db) == 0
+
+
+async def test_a_hot_read_that_fails_or_writes_is_not_kept(tmp_path: Path) -> None:
+    """A hot read whose block raised, or that left a transaction open on its connection (a write
+    where none belongs), is closed: its connection goes back to the pool, the write is undone."""
+    db = Database(_url(tmp_path), sqlite_inline=True)
+    try:
+        await _counter_table(db)
+        with db.hot(), pytest.raises(ZeroDivisionError):
+            async with db.read() as session:
+                await repo._driver_rows(await repo._connection(session), "SELECT n FROM counter", ())
+                _ = 1 / 0
+        assert _checked_out(db) == 0
+        with db.hot():
+            async with db.read() as session:
+                conn = await repo._connection(session)
+                await repo._driver_write(conn, "UPDATE counter SET n = 9", ())
+                raw = repo.held_sqlite(session)
+                assert raw is not None and raw.in_transaction
+        assert _checked_out(db) == 0
+        _, n = await _read_counter(db)
+        assert n == 0
+    finally:
+        await db.close()
+
+
+async def test_concurrent_hot_reads_keep_at_most_a_few_sessions(tmp_path: Path) -> None:
+    db = Database(_url(tmp_path), sqlite_inline=True)
+    gate = asyncio.Event()
+
+    async def read() -> int:
+        with db.hot():
+            async with db.read() as session:
+                rows = await repo._driver_rows(await repo._connection(session), "SELECT n FROM counter", ())
+                await gate.wait()
+        return int(rows[0][0])
+
+    try:
+        await _counter_table(db)
+        tasks = [asyncio.create_task(read()) for _ in range(WARM_READS + 4)]
+        await asyncio.sleep(0.05)
+        assert _checked_out(db) == WARM_READS + 4
+        gate.set()
+        assert await asyncio.gather(*tasks) == [0] * (WARM_READS + 4)
+        assert _checked_out(db) == WARM_READS
+    finally:
+        await db.close()
+    assert _checked_out(db) == 0

@@ -188,6 +188,15 @@ async def _pg_failed(
     raise error  # not reached: both of the above raise
 
 
+def held_sqlite(session: AsyncSession) -> sqlite3.Connection | None:
+    """The inline driver's `sqlite3` connection that the session's current transaction holds, as
+    `_connection` keeps it (None: none kept, or another driver). No I/O."""
+    held = session.info.get("exgrpo_connection")
+    if held is None or held[0] is not _innermost(session) or held[1].closed:
+        return None
+    return _inline_sqlite(held[1])
+
+
 def _inline_sqlite(conn: AsyncConnection) -> sqlite3.Connection | None:
     """The `sqlite3` connection under a connection of the inline SQLite driver (None: another
     driver). The connection is checked out already: reading it does no I/O."""
