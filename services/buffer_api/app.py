@@ -436,6 +436,37 @@ def keep_freed_memory() -> bool:
     )
 
 
+#: the routes of a training step and of a dashboard's polling, matched first in this order (each
+#: route a request passes on its way costs a path match: ~375 us of CPU for a selection matched
+#: 31st, in process); the API document keeps the order the routes are declared in
+HOT_ROUTES: tuple[tuple[str, str], ...] = (
+    ("POST", "/v1/pools/{pool}/runs/{run}/batches"),
+    ("POST", "/v1/pools/{pool}/batches/{batch_id}/commit"),
+    ("POST", "/v1/pools/{pool}/runs/{run}/select"),
+    ("POST", "/v1/pools/{pool}/runs/{run}/ingest"),
+    ("GET", "/v1/pools/{pool}/runs/{run}/stats"),
+    ("GET", "/v1/pools/{pool}/stats"),
+    ("GET", "/v1/pools/{pool}/questions"),
+    ("GET", "/v1/pools/{pool}/batches/{batch_id}"),
+    ("POST", "/v1/pools/{pool}/tasks/claim"),
+    ("POST", "/v1/pools/{pool}/runs/{run}/tasks/claim"),
+    ("POST", "/v1/pools/{pool}/tasks/{task_id}/renew"),
+    ("POST", "/v1/pools/{pool}/tasks/{task_id}/complete"),
+)
+
+
+def _route_key(route: Any) -> tuple[str, str]:
+    """(method, path) of a route (its first method: every route here takes one, HEAD aside)."""
+    methods = sorted(set(getattr(route, "methods", None) or ()) - {"HEAD"}) or [""]
+    return methods[0], getattr(route, "path", "")
+
+
+def declared_routes(app: FastAPI) -> list[tuple[str, str]]:
+    """(method, path) of the app's routes in the order they are declared (`add_routers`)."""
+    declared: list[tuple[str, str]] = app.state.declared_routes
+    return declared
+
+
 def add_routers(app: FastAPI, *routers: APIRouter) -> None:
     """The routers' routes, in the routers' order, as the app's own: one flat list, each route
     made anew for this app (`add_api_route`, as `include_router` made them before FastAPI 0.165),
@@ -478,6 +509,9 @@ def add_routers(app: FastAPI, *routers: APIRouter) -> None:
                 openapi_extra=route.openapi_extra,
                 generate_unique_id_function=route.generate_unique_id_function,
             )
+    app.state.declared_routes = [_route_key(r) for r in app.router.routes]
+    rank = {key: i for i, key in enumerate(HOT_ROUTES)}
+    app.router.routes.sort(key=lambda r: rank.get(_route_key(r), len(rank)))
 
 
 def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
@@ -569,5 +603,5 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         return {"indexed_questions": await rebuild_all(ctx)}
 
     add_routers(app, pools.router, runs.router, batches.router, dashboard.router, docs.router)
-    install_openapi(app)
+    install_openapi(app, paths_order=[path for _, path in declared_routes(app)])
     return app

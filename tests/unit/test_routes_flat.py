@@ -65,6 +65,7 @@ def test_the_api_is_the_one_of_the_included_routers(monkeypatch: pytest.MonkeyPa
     def included(app: FastAPI, *routers: Any) -> None:
         for router in routers:
             app.include_router(router)
+        app.state.declared_routes = []
 
     monkeypatch.setattr(service_app, "add_routers", included)
     nested = create_app(SETTINGS)
@@ -95,3 +96,17 @@ async def test_the_apps_dependency_overrides_reach_every_route(tmp_path: Any) ->
             for path in ("/v1/pools/p1/stats", "/v1/pools/p1/runs/r1/stats", "/v1/pools/p1/questions"):
                 r = await client.get(path)
                 assert r.status_code == status, (path, r.text)
+
+
+def test_the_hot_routes_are_matched_first_and_documented_in_their_place() -> None:
+    """A trainer's and a dashboard's requests are matched against their own routes first (each
+    route passed costs a path match); the API document lists the routes as they are declared."""
+    app = create_app(SETTINGS)
+    order = [(sorted(r.methods or ())[0], r.path) for r in app.router.routes if isinstance(r, APIRoute)]
+    hot = service_app.HOT_ROUTES
+    assert set(hot) <= set(order), set(hot) - set(order)
+    assert order[: len(hot)] == list(hot)
+    documented = list(app.openapi()["paths"])
+    declared = list(dict.fromkeys(p for _, p in service_app.declared_routes(app)))
+    assert documented == [p for p in declared if p in documented]
+    assert documented.index("/v1/pools") < documented.index("/v1/pools/{pool}/runs/{run}/batches")

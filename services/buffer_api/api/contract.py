@@ -164,13 +164,18 @@ def describe(spec: dict[str, Any], routes: list[Any]) -> None:
         }
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Serve the described document at /openapi.json (built once, on first use)."""
+def install_openapi(app: FastAPI, paths_order: Sequence[str] = ()) -> None:
+    """Serve the described document at /openapi.json (built once, on first use), its paths in
+    `paths_order` (the order the routes are declared in; the app matches some of them first)."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            describe(generate(), app.routes)
+            spec = generate()
+            describe(spec, app.routes)
+            place = {path: i for i, path in enumerate(dict.fromkeys(paths_order))}
+            paths = spec["paths"]
+            spec["paths"] = {p: paths[p] for p in sorted(paths, key=lambda p: place.get(p, len(place)))}
         return app.openapi_schema  # type: ignore[return-value]  # set by generate()
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise it
