@@ -1,5 +1,5 @@
-"""The polled GET routes that `LeanRoute` answers (a run's stats, the pool's stats, a page of
-questions) answer every request as FastAPI's own handler answers it: the same status, headers that
+"""The routes that `LeanRoute` answers (a run's stats, the pool's stats, a page of questions, a
+replay selection) answer every request as FastAPI's own handler answers it: the same status, headers that
 matter and body, for good requests, bad parameters, unknown names and every kind of caller; and
 they do take the lean path (FastAPI's solver is not called for them)."""
 
@@ -29,7 +29,42 @@ from .harness import (
     serve_app,
 )
 
-LEAN_PATHS = {"/v1/pools/{pool}/stats", "/v1/pools/{pool}/questions", "/v1/pools/{pool}/runs/{run}/stats"}
+LEAN_PATHS = {
+    "/v1/pools/{pool}/stats",
+    "/v1/pools/{pool}/questions",
+    "/v1/pools/{pool}/runs/{run}/stats",
+    "/v1/pools/{pool}/runs/{run}/select",
+}
+JSON = {"content-type": "application/json"}
+#: selections: (path, body, headers)
+SELECTIONS: list[tuple[str, bytes, dict[str, str]]] = [
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 4, "seed": 1}', JSON),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 4, "seed": 1, "candidates": "none"}', JSON),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 4, "seed": 1, "candidates": "lowest_stored_entropy"}', JSON),
+    (
+        "/v1/pools/p1/runs/r1/select",
+        b'{"n": 3, "seed": 2}',
+        {"content-type": "application/json; charset=utf-8"},
+    ),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 3, "seed": 2}', {"content-type": "application/vnd.x+json"}),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 4, "seed": 1}', {**JSON, "accept": "application/x-msgpack"}),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 4, "seed": 1}', {}),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 4, "seed": 1}', {"content-type": "text/plain"}),
+    ("/v1/pools/p1/runs/r1/select", b"", JSON),
+    ("/v1/pools/p1/runs/r1/select", b"{", JSON),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 4,}', JSON),
+    ("/v1/pools/p1/runs/r1/select", b"\xff\xfe\x00", JSON),
+    ("/v1/pools/p1/runs/r1/select", b"[1, 2]", JSON),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 0}', JSON),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": "four"}', JSON),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 4, "extra": 1}', JSON),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 4, "candidates": "some"}', JSON),
+    ("/v1/pools/p1/runs/r1/select", b'{"n": 4.0, "seed": 1}', JSON),
+    ("/v1/pools/p1/runs/nope/select", b'{"n": 4}', JSON),
+    ("/v1/pools/nope/runs/r1/select", b'{"n": 4}', JSON),
+    ("/v1/pools/bad%20name/runs/r1/select", b'{"n": 0}', JSON),
+    ("/v1/pools/p1/runs/bad%20name/select", b"{", JSON),
+]
 
 BASE = "http://pool.test"
 
@@ -71,6 +106,8 @@ CALLERS: list[dict[str, str]] = [
 
 
 def _answer(r: httpx.Response) -> tuple[int, str | None, Any]:
+    if r.headers.get("content-type") == "application/x-msgpack":
+        return r.status_code, r.headers["content-type"], r.content
     body: Any = r.json() if r.content else None
     if isinstance(body, dict):
         body.pop("request_id", None)  # one per request
@@ -113,6 +150,17 @@ async def test_lean_routes_answer_as_fastapi_does(backend: Backend, monkeypatch:
                     want = _answer(await plain.get(path, headers=headers))
                     assert solved, (path, "the plain app did not call FastAPI's solver")
                     assert got == want, (headers, path)
+                    statuses.add(got[0])
+                for path, body, extra in SELECTIONS:
+                    solved.clear()
+                    got = _answer(await fast.post(path, content=body, headers={**headers, **extra}))
+                    assert solved == [], (path, "the lean app called FastAPI's solver")
+                    want = _answer(await plain.post(path, content=body, headers={**headers, **extra}))
+                    assert solved or want[0] in (400, 422), (
+                        path,
+                        "the plain app did not call FastAPI's solver",
+                    )
+                    assert got == want, (headers, path, body, extra)
                     statuses.add(got[0])
             # every kind of answer was compared
             assert statuses >= {200, 401, 403, 404, 422}, statuses

@@ -1,4 +1,4 @@
-"""The polled GET routes answered without FastAPI's generic dependency solver.
+"""The polled GET routes and the selection answered without FastAPI's generic dependency solver.
 
 A run's stats, the pool's stats and a page of questions are read every few seconds by dashboards
 and trainers. Their own work is a fraction of a millisecond; FastAPI 0.165's solver, which asks of
@@ -8,30 +8,37 @@ stats through `route.handle`: 797-932 us, of which the endpoint 450-560).
 
 `LeanRoute` compiles such a route's dependencies once, when the route is made, into the order in
 which FastAPI solves them (each dependency's own dependencies first, then its path, query and
-header parameters), and runs them so on every request: the very same dependency functions, the
-same parameter validation (`request_params_to_args`, FastAPI's own), each dependency once per
-request (FastAPI's cache), the same errors in the same order (`RequestValidationError`). A route
-takes this path only when its endpoint is marked `@lean` and returns a `Response` itself, and only
-while the app overrides no dependency; a marked route whose dependencies need more than this
-(a body, a generator, a sync function, security scopes, a `Response` or `BackgroundTasks`
-parameter) is refused when the app is made, not served differently. Nothing is skipped: a
-dependency added to a lean route later runs on this path too. `tests/service/test_lean_routes.py`
-compares its answers with FastAPI's, request by request.
+header parameters, then the endpoint's JSON body), and runs them so on every request: the very
+same dependency functions, the same validation (`request_params_to_args` and
+`request_body_to_args`, FastAPI's own), each dependency once per request (FastAPI's cache), the
+same errors in the same order (`RequestValidationError`; a body that is not JSON is refused before
+anything else, as FastAPI refuses it). A route takes this path only when its endpoint is marked
+`@lean` and returns a `Response` itself, and only while the app overrides no dependency; a marked
+route whose dependencies need more than this (a form, several body parameters, a generator, a
+sync function, security scopes, a `Response` or `BackgroundTasks` parameter) is refused when the
+app is made, not served differently. Nothing is skipped: a dependency added to a lean route later
+runs on this path too. `tests/service/test_lean_routes.py` compares its answers with FastAPI's,
+request by request.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import Request, params
 from fastapi.dependencies.models import Dependant
-from fastapi.dependencies.utils import request_params_to_args
+from fastapi.dependencies.utils import request_body_to_args, request_params_to_args
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from pydantic_core import PydanticUndefined
+from starlette.exceptions import HTTPException
+
+from exgrpo_pool import jsonread
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,10 +64,15 @@ class _Step:
     checks: bool
 
     async def solve(
-        self, request: Request, cache: dict[Callable[..., Any], Any], errors: list[Any]
+        self,
+        request: Request,
+        cache: dict[Callable[..., Any], Any],
+        errors: list[Any],
+        body: Any = PydanticUndefined,
     ) -> dict[str, Any] | None:
-        """The values to call this step with, or None where a parameter or a dependency of it
-        failed validation (the errors added to `errors`, as FastAPI adds them)."""
+        """The values to call this step with, or None where a parameter, the body (the
+        endpoint's, `body`) or a dependency of it failed validation (the errors added to
+        `errors`, as FastAPI adds them)."""
         values: dict[str, Any] = {}
         failed = False
         for sub in self.subs:
@@ -90,6 +102,12 @@ class _Step:
                 if errs:
                     errors += errs
                     failed = True
+        if d.body_params:
+            got, errs = await request_body_to_args(d.body_params, body, embed_body_fields=False)
+            values.update(got)
+            if errs:
+                errors += errs
+                failed = True
         if d.request_param_name:
             values[d.request_param_name] = request
         return None if failed else values
@@ -97,8 +115,14 @@ class _Step:
 
 def _unsupported(d: Dependant, *, endpoint: bool) -> str | None:
     """Why `LeanRoute` cannot solve `d` as FastAPI does (None: it can)."""
-    if d.body_params or d.cookie_params:
-        return "a body or cookie parameter"
+    if d.cookie_params:
+        return "a cookie parameter"
+    if d.body_params and not endpoint:
+        return "a body parameter of a dependency"
+    if len(d.body_params) > 1 or any(
+        isinstance(f.field_info, params.Form) or getattr(f.field_info, "embed", False) for f in d.body_params
+    ):
+        return "a body of several parameters, an embedded one or a form"
     for what in (
         "websocket_param_name",
         "http_connection_param_name",
@@ -133,8 +157,8 @@ def _compile(d: Dependant) -> _Step:
 
 def compile_route(route: APIRoute) -> _Step:
     """The route's endpoint as a `_Step`; ValueError where it cannot take the lean path."""
-    if (route.methods or set()) - {"GET", "HEAD"} or route.body_field is not None:
-        raise ValueError(f"{route.path}: only GET routes without a body take the lean path")
+    if len((route.methods or set()) - {"HEAD"}) != 1:
+        raise ValueError(f"{route.path}: a route of one method takes the lean path")
     why = _unsupported(route.dependant, endpoint=True)
     if why is not None:
         raise ValueError(f"{route.path} cannot take the lean path: {why}")
@@ -150,12 +174,14 @@ class LeanRoute(APIRoute):
             return handle
         step = compile_route(self)
         endpoint = step.call
+        has_body = bool(step.dependant.body_params)
 
         async def lean_handler(request: Request) -> Response:
             if request.app.dependency_overrides:  # FastAPI's solver applies them
                 return await handle(request)
+            body = await _json_body(request) if has_body else PydanticUndefined
             errors: list[Any] = []
-            values = await step.solve(request, {}, errors)
+            values = await step.solve(request, {}, errors, body)
             if values is None:
                 raise RequestValidationError(errors)
             response = await endpoint(**values)
@@ -164,6 +190,37 @@ class LeanRoute(APIRoute):
             return response
 
         return lean_handler
+
+
+def _is_json(content_type: str) -> bool:
+    """`application/json` or `application/<anything>+json`, parameters aside."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+async def _json_body(request: Request) -> Any:
+    """A request's body as FastAPI hands it to validation: nothing for an empty body, the JSON
+    value under a JSON media type (`jsonread.loads`: `json.loads`'s values, faster), the bytes
+    under any other or none (which the body's model then refuses); a text that is not JSON is a
+    `json_invalid` error, a body that cannot be read a 400."""
+    try:
+        raw = await request.body()
+    except HTTPException:
+        raise
+    except Exception as e:
+        raise HTTPException(400, "There was an error parsing the body") from e
+    if not raw:
+        return PydanticUndefined
+    content_type = request.headers.get("content-type")
+    if content_type is None or not _is_json(content_type):
+        return raw
+    try:
+        return jsonread.loads(raw)
+    except json.JSONDecodeError as e:
+        error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {}}
+        raise RequestValidationError([{**error, "ctx": {"error": e.msg}}], body=e.doc) from e
+    except ValueError as e:  # not text at all (bytes that no Unicode encoding reads)
+        raise HTTPException(400, "There was an error parsing the body") from e
 
 
 def lean_routes(routes: Sequence[Any]) -> list[str]:

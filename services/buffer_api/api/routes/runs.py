@@ -179,6 +179,7 @@ async def ingest(
 
 
 @router.post("/{run}/select", response_model=s.SelectResult, responses=frame_answer(s.SelectResult))
+@lean
 async def select_replay(
     run: RunName, body: s.SelectRequest, pool: ReadPoolName, ctx: ContextDep, wire: WireDep
 ) -> object:
