@@ -103,6 +103,31 @@ async def test_question_list_pagination(client: httpx.AsyncClient) -> None:
     assert bad.status_code == 422 and "limit" in bad.json()["detail"]
 
 
+async def test_a_question_page_past_the_end_or_of_an_empty_pool_is_empty_and_an_unknown_pool_404(
+    client: httpx.AsyncClient,
+) -> None:
+    await create_pool(client)
+    await import_questions(client, "p1", 5)
+    await create_pool(client, "empty")
+    await create_pool(client, "p3")
+    await import_questions(client, "p3", 4)
+    ids = [q["id"] for q in ok(await client.get("/v1/pools/p1/questions"))["data"]]
+    assert len(ids) == 5
+    # only the pool's own questions, in id order, whatever the other pools hold
+    other = [q["id"] for q in ok(await client.get("/v1/pools/p3/questions"))["data"]]
+    assert len(other) == 4 and not set(other) & set(ids)
+    for path, params in (
+        ("/v1/pools/p1/questions", {"after": ids[-1]}),
+        ("/v1/pools/p1/questions", {"after": max(other) + 1000}),
+        ("/v1/pools/empty/questions", {}),
+    ):
+        page = ok(await client.get(path, params=params))
+        assert page == {"data": [], "count": 0, "next_after": None}, (path, params)
+    for path in ("/v1/pools/nope/questions", "/v1/pools/nope/questions?after=5"):
+        r = await client.get(path)
+        assert r.status_code == 404 and "nope" in r.json()["detail"], path
+
+
 async def test_question_detail_shows_trajectories_and_run_state(client: httpx.AsyncClient) -> None:
     await setup_pool(client, phase="mixed")
     plan = await plan_batch(client)

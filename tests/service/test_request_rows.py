@@ -242,6 +242,7 @@ async def test_the_polled_reads_run_on_the_drivers_directly(backend: Backend) ->
             "run stats": "/v1/pools/p1/runs/r1/stats",
             "pool stats": "/v1/pools/p1/stats",
             "questions": "/v1/pools/p1/questions?after=3&limit=5",
+            "questions past the end": "/v1/pools/p1/questions?after=64",
         }
         for name, path in paths.items():
             with _statements() as seen:
@@ -249,8 +250,9 @@ async def test_the_polled_reads_run_on_the_drivers_directly(backend: Backend) ->
             counts[name], through_sqlalchemy[name] = len(seen), seen.through_sqlalchemy
             on_asyncpg[name] = len(seen.on_asyncpg)
     # run stats: pool and run, states, trajectory counts, last batch's replays; pool stats: pool
-    # with its totals, runs, states, trajectory counts, last batches' replays; questions: pool, page
-    assert counts == {"run stats": 4, "pool stats": 5, "questions": 2}, counts
+    # with its totals, runs, states, trajectory counts, last batches' replays; questions: the page
+    # with its pool, and where it is empty, whether the pool exists
+    assert counts == {"run stats": 4, "pool stats": 5, "questions": 1, "questions past the end": 2}, counts
     assert through_sqlalchemy == {name: [] for name in counts}, through_sqlalchemy
     assert on_asyncpg == (counts if pg else dict.fromkeys(counts, 0)), on_asyncpg
     stats = answers["run stats"]
@@ -263,6 +265,7 @@ async def test_the_polled_reads_run_on_the_drivers_directly(backend: Backend) ->
     page = answers["questions"]
     assert [q["id"] for q in page["data"]] == [4, 5, 6, 7, 8] and page["next_after"] == 8
     assert page["count"] == 5 and all(q["pool"] == "p1" and q["prompt"] for q in page["data"])
+    assert answers["questions past the end"] == {"data": [], "count": 0, "next_after": None}
 
 
 async def test_a_page_of_questions_is_written_as_its_model_writes_it(client: httpx.AsyncClient) -> None:

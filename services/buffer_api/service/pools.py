@@ -149,11 +149,10 @@ async def list_questions(ctx: Context, pool_name: str, after: int, limit: int) -
     `QuestionsPublic` JSON written from the rows: the prompts as stored (validated on import, as
     a plan sends them), no model built per question (about a fifth of a page's CPU)."""
     async with ctx.db.read() as session:
-        pool = await repo.pool_row(session, pool_name)
-        if pool is None:
+        qs = await repo.question_page(session, pool_name, after, limit)
+        if not qs and await repo.pool_row(session, pool_name) is None:
             raise missing_pool(pool_name)
-        qs = await repo.question_page(session, pool.id, after, limit)
-    data = [question_body(q, pool.name) for q in qs]
+    data = [question_body(q, pool_name) for q in qs]
     return to_json({"data": data, "count": len(data), "next_after": qs[-1].id if len(qs) == limit else None})
 
 

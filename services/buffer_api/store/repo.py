@@ -535,14 +535,17 @@ async def run_rows_of_pool(session: AsyncSession, pool_id: int) -> list[RunRow]:
     return [RunRow(*r) for r in await _core_rows(session, _RUNS_OF_POOL, {"pool_id": pool_id})]
 
 
-async def question_page(session: AsyncSession, pool_id: int, after: int, limit: int) -> list[QuestionRow]:
+async def question_page(session: AsyncSession, pool_name: str, after: int, limit: int) -> list[QuestionRow]:
     """Up to `limit` of the pool's questions with ids above `after`, in id order, as plain rows
-    read by one driver statement."""
+    read by one driver statement that finds the pool by its name too (a page is polled: the pool's
+    own read was a second statement, on Postgres a second round trip). No row: no such pool, or
+    none left (the caller tells which)."""
     conn = await _connection(session)
     q = _Sql(conn)
     sql = (
-        "SELECT id, prompt, ground_truth, data_source, external_id, metadata, created_at FROM question "
-        f"WHERE pool_id = {q.arg(pool_id)} AND id > {q.arg(after)} ORDER BY id LIMIT {q.arg(limit)}"
+        "SELECT q.id, q.prompt, q.ground_truth, q.data_source, q.external_id, q.metadata, q.created_at "
+        f"FROM question q JOIN pool p ON q.pool_id = p.id WHERE p.name = {q.arg(pool_name)} "
+        f"AND q.id > {q.arg(after)} ORDER BY q.id LIMIT {q.arg(limit)}"
     )
     rows = await _driver_rows(conn, sql, q.args)
     prompt = _result_processor(conn, _question_t.c.prompt)
