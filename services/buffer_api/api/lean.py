@@ -46,7 +46,8 @@ _LEAN = "__exgrpo_lean__"
 
 
 def lean(endpoint: F) -> F:
-    """Mark a GET endpoint that returns a `Response` for `LeanRoute`'s path."""
+    """Mark an endpoint that returns a `Response` (a GET, or a route with one JSON body) for
+    `LeanRoute`'s path."""
     setattr(endpoint, _LEAN, True)
     return endpoint
 
