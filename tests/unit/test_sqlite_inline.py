@@ -280,6 +280,11 @@ async def _read_counter(db: Database) -> tuple[AsyncSession, int]:
     return session, int(rows[0][0])
 
 
+def _raw(session: AsyncSession) -> sqlite3.Connection | None:
+    """The `sqlite3` connection a hot session holds, as the repo keeps it."""
+    return repo._inline_sqlite(session.info["exgrpo_connection"][1])
+
+
 def _checked_out(db: Database) -> int:
     assert db.hot_engine is not None
     return int(db.hot_engine.sync_engine.pool.checkedout())  # type: ignore[attr-defined]
@@ -293,10 +298,10 @@ async def test_a_hot_read_keeps_its_session_for_the_next_and_sees_every_commit(t
         await _counter_table(db)
         first, n = await _read_counter(db)
         assert n == 0 and _checked_out(db) == 1
-        raw = repo.held_sqlite(first)
-        assert raw is not None and not raw.in_transaction
+        raw = _raw(first)
+        assert raw is not None and not raw.in_transaction and repo.held_idle(first) is True
         again, n = await _read_counter(db)
-        assert again is first and repo.held_sqlite(again) is raw and n == 0
+        assert again is first and _raw(again) is raw and n == 0
         with db.hot():
             async with db.write() as session:
                 await session.execute(text("UPDATE counter SET n = n + 1"))
@@ -327,8 +332,8 @@ async def test_a_hot_read_that_fails_or_writes_is_not_kept(tmp_path: Path) -> No
             async with db.read() as session:
                 conn = await repo._connection(session)
                 await repo._driver_write(conn, "UPDATE counter SET n = 9", ())
-                raw = repo.held_sqlite(session)
-                assert raw is not None and raw.in_transaction
+                raw = _raw(session)
+                assert raw is not None and raw.in_transaction and repo.held_idle(session) is False
         assert _checked_out(db) == 0
         _, n = await _read_counter(db)
         assert n == 0

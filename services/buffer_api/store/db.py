@@ -350,7 +350,7 @@ class Database:
         if shared is not None:
             yield shared.session
             return
-        if self.hot_engine is not None and _hot.get():
+        if _hot.get() and (self.hot_engine is not None or self.hot_reads is not None):
             async with self._warm_read() as session:
                 yield session
             return
@@ -359,22 +359,31 @@ class Database:
 
     @contextlib.asynccontextmanager
     async def _warm_read(self) -> AsyncIterator[AsyncSession]:
-        """A hot read on the inline SQLite driver, in a session kept for the next one with its
-        connection (up to `WARM_READS` of them): taking a connection from SQLAlchemy's pool and
-        giving it back cost ~110-150 us of a read of ~0.5 ms (two greenlet hops, the pool's
-        bookkeeping, a ROLLBACK). A read leaves nothing behind to keep: `sqlite3` opens no
-        transaction for a SELECT (each statement reads what was committed when it began, as before),
-        so an idle kept session holds no snapshot and no lock; its ORM objects, if it loaded any,
-        are let go. A session is kept only when its block ended normally and it wrote nothing
-        (`repo.held_sqlite`: no transaction open on its connection); any other ends closed."""
-        session = self._warm.pop() if self._warm else self.hot_sessions()
+        """A hot read (the inline SQLite driver, or Postgres's autocommit reads) in a session kept
+        for the next one with its connection (up to `WARM_READS` of them): taking a connection
+        from SQLAlchemy's pool and giving it back cost ~110-150 us of a SQLite read of ~0.5 ms and
+        ~190 us of a Postgres one (greenlet hops, the pool's bookkeeping, a ROLLBACK). A read
+        leaves nothing behind to keep: `sqlite3` opens no transaction for a SELECT and the Postgres
+        reads are autocommit (each statement reads what was committed when it began, as before), so
+        an idle kept session holds no snapshot and no lock; its ORM objects, if it loaded any, are
+        let go. A session is kept only when its block ended normally and left no transaction open
+        on its connection (`repo.held_idle`); any other ends closed. A kept Postgres connection
+        that the server has closed meanwhile (a restart, an idle timeout) is dropped when next
+        taken, as the pool drops one (`_drop_if_closed`)."""
+        session: AsyncSession | None = None
+        while self._warm and session is None:
+            kept_one = self._warm.pop()
+            if repo.held_idle(kept_one) is False:
+                await kept_one.invalidate()
+            else:
+                session = kept_one
+        if session is None:
+            session = self._sessions(read=True)()
         kept = False
         try:
             yield session
-            raw = repo.held_sqlite(session)
-            clean = (raw is None and not session.in_transaction()) or (
-                raw is not None and not raw.in_transaction
-            )
+            idle = repo.held_idle(session)
+            clean = not session.in_transaction() if idle is None else idle
             if (
                 clean
                 and not (session.new or session.dirty or session.deleted)
@@ -385,7 +394,10 @@ class Database:
                 kept = True
         finally:
             if not kept:
-                await session.close()
+                if self.hot_engine is None:  # asyncpg: closed in a task shielded from cancellation
+                    await asyncio.shield(session.close())
+                else:
+                    await session.close()
 
     @contextlib.asynccontextmanager
     async def _session(self, *, read: bool = False) -> AsyncIterator[AsyncSession]:

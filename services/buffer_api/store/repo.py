@@ -188,13 +188,24 @@ async def _pg_failed(
     raise error  # not reached: both of the above raise
 
 
-def held_sqlite(session: AsyncSession) -> sqlite3.Connection | None:
-    """The inline driver's `sqlite3` connection that the session's current transaction holds, as
-    `_connection` keeps it (None: none kept, or another driver). No I/O."""
+def held_idle(session: AsyncSession) -> bool | None:
+    """Whether the driver connection the session's current transaction holds (as `_connection`
+    keeps it) is open with no transaction in it: `sqlite3` on the inline driver, asyncpg on
+    Postgres. None: no connection kept, or another driver. No I/O."""
     held = session.info.get("exgrpo_connection")
-    if held is None or held[0] is not _innermost(session) or held[1].closed:
+    if held is None or held[0] is not _innermost(session):
         return None
-    return _inline_sqlite(held[1])
+    conn = held[1]
+    if conn.closed:
+        return False
+    raw = _inline_sqlite(conn)
+    if raw is not None:
+        return not raw.in_transaction
+    adapt = _asyncpg(conn)
+    if adapt is None:
+        return None
+    pg = adapt._connection
+    return not pg.is_closed() and not pg.is_in_transaction()
 
 
 def _inline_sqlite(conn: AsyncConnection) -> sqlite3.Connection | None:
