@@ -133,7 +133,7 @@ def _unsupported(d: Dependant, *, endpoint: bool) -> str | None:
     ):
         if getattr(d, what, None):
             return f"a parameter FastAPI fills itself ({what})"
-    if d.own_oauth_scopes or d.parent_oauth_scopes:
+    if any(getattr(d, what, None) for what in ("own_oauth_scopes", "parent_oauth_scopes", "security_scopes")):
         return "security scopes"
     if getattr(d, "concurrency", None) is not None:
         return "a concurrency limit"
