@@ -559,22 +559,18 @@ async def question_page(session: AsyncSession, pool_name: str, after: int, limit
         f"AND q.id > {q.arg(after)} ORDER BY q.id LIMIT {q.arg(limit)}"
     )
     rows = await _driver_rows(conn, sql, q.args)
-    prompt = _result_processor(conn, _question_t.c.prompt)
-    meta = _result_processor(conn, _question_t.c["metadata"])
-    stamp = _stamp(conn)
-
-    def value(f: Callable[[Any], Any] | None, v: Any) -> Any:
-        return v if f is None else f(v)
-
-    if prompt is not None and meta is not None and stamp is not None:  # SQLite: no call between
-        return [
-            QuestionRow(i, prompt(p), truth, source, ext, meta(m), stamp(at))
-            for i, p, truth, source, ext, m, at in rows
-        ]
+    prompt = _result_processor(conn, _question_t.c.prompt) or _as_is
+    meta = _result_processor(conn, _question_t.c["metadata"]) or _as_is
+    stamp = _stamp(conn) or _as_is
     return [
-        QuestionRow(i, value(prompt, p), truth, source, ext, value(meta, m), value(stamp, at))
+        QuestionRow(i, prompt(p), truth, source, ext, meta(m), stamp(at))
         for i, p, truth, source, ext, m, at in rows
     ]
+
+
+def _as_is(value: Any) -> Any:
+    """A column's driver value where SQLAlchemy does nothing to it."""
+    return value
 
 
 async def pool_exists(session: AsyncSession, name: str) -> bool:
