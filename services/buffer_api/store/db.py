@@ -54,6 +54,10 @@ FOLD_TALLIES_EVERY = 64
 RETRY_SQLSTATES = {"40001": "serialization failure", "40P01": "deadlock"}
 
 
+#: prepared statements kept per connection of the inline SQLite driver (the hot path's)
+HOT_CACHED_STATEMENTS = 128
+
+
 def _sqlite_pragmas(cache_mb: int, *, inline: bool = False) -> Callable[[DBAPIConnection, object], None]:
     def on_connect(dbapi_conn: DBAPIConnection, _record: object) -> None:
         cur = dbapi_conn.cursor()
@@ -80,12 +84,14 @@ def make_engine(
         if u.database and u.database != ":memory:":
             Path(u.database).parent.mkdir(parents=True, exist_ok=True)
         # Python's sqlite3 keeps 128 prepared statements per connection; multi-row INSERTs of varying
-        # length are each a new statement of ~2 MB, so the default cache grew RSS by ~2 MB per step
+        # length are each a new statement of ~2 MB, so the default cache grew RSS by ~2 MB per step.
+        # The hot path's statements have a bounded set of texts (no multi-row INSERT, lists of ids
+        # of rounded lengths: `repo.id_marks`): its connections keep all of them prepared
         cached = 16
         inline = sqlite_inline and bool(u.database) and u.database != ":memory:"
         if inline:
             assert u.database is not None
-            connect = sqlite_inline_creator(u.database, cached_statements=cached)
+            connect = sqlite_inline_creator(u.database, cached_statements=HOT_CACHED_STATEMENTS)
             engine = create_async_engine(url, async_creator=connect, json_deserializer=jsonread.loads)
         else:
             engine = create_async_engine(
