@@ -1,10 +1,13 @@
 """The routes that `LeanRoute` answers (a run's stats, the pool's stats, a page of questions, a
-replay selection) answer every request as FastAPI's own handler answers it: the same status, headers that
-matter and body, for good requests, bad parameters, unknown names and every kind of caller; and
-they do take the lean path (FastAPI's solver is not called for them)."""
+replay selection, a commit, an ingest) answer every request as FastAPI's own handler answers it:
+the same status, headers that matter and body, for good requests, bad parameters, bad bodies (JSON
+and binary frames), unknown names and every kind of caller; and they do take the lean path
+(FastAPI's solver is not called for them)."""
 
 from __future__ import annotations
 
+import copy
+import json
 from typing import Any
 
 import httpx
@@ -13,11 +16,13 @@ from asgi_lifespan import LifespanManager
 from fastapi import routing as fastapi_routing
 from fastapi.routing import APIRoute
 
+from exgrpo_client import frames
+from exgrpo_client.schemas import unpack_ids, unpack_logprobs
 from exgrpo_pool.api.lean import LeanRoute, lean_routes
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import TokenGrant
 
-from .factories import commit_batch, correct_first, make_groups, ok, plan_batch, setup_pool
+from .factories import commit_batch, correct_first, group, make_groups, ok, plan_batch, setup_pool
 from .harness import (
     ADMIN_TOKEN,
     READ_TOKEN,
@@ -34,7 +39,10 @@ LEAN_PATHS = {
     "/v1/pools/{pool}/questions",
     "/v1/pools/{pool}/runs/{run}/stats",
     "/v1/pools/{pool}/runs/{run}/select",
+    "/v1/pools/{pool}/batches/{batch_id}/commit",
+    "/v1/pools/{pool}/runs/{run}/ingest",
 }
+FRAME = {"content-type": frames.MEDIA_TYPE}
 JSON = {"content-type": "application/json"}
 #: selections: (path, body, headers)
 SELECTIONS: list[tuple[str, bytes, dict[str, str]]] = [
@@ -105,6 +113,58 @@ CALLERS: list[dict[str, str]] = [
 ]
 
 
+def _frame(body: dict[str, Any], *, payload_fields: bool = False, nan: bool = False) -> bytes:
+    """`body` (groups of JSON rollouts with base64 payloads) as a binary frame: payloads in its
+    buffers (`payload_fields`: also left in the body, which a frame refuses; `nan`: log-probs NaN)."""
+    slots: list[tuple[list[int], list[float]] | None] = []
+    for g in body["groups"]:
+        for r in g["rollouts"]:
+            if "token_ids_b64" in r:
+                lps = unpack_logprobs(r["logprobs_b64"])
+                slots.append((unpack_ids(r["token_ids_b64"]), [float("nan")] * len(lps) if nan else lps))
+                if not payload_fields:
+                    del r["token_ids_b64"], r["logprobs_b64"]
+            else:
+                slots.append(None)
+    return frames.encode(body, slots)
+
+
+def _writes(batch: str, groups: dict[str, Any]) -> list[tuple[str, bytes, dict[str, str]]]:
+    """Commits and ingests that change nothing: bad bodies in both encodings, unknown names, and
+    groups that do not match the batch. (path, body, headers)"""
+    commit = f"/v1/pools/p1/batches/{batch}/commit"
+    ingest = "/v1/pools/p1/runs/r1/ingest"
+    first = groups["groups"][0]
+    half = [0.5] + [0.0] * (len(first["rollouts"]) - 1)
+    out: list[tuple[str, bytes, dict[str, str]]] = []
+    for path in (commit, ingest):
+        out += [
+            (path, b"", JSON),
+            (path, b"{", JSON),
+            (path, b"[1, 2]", JSON),
+            (path, b'{"groups": []}', JSON),
+            (path, json.dumps({"groups": [group(first["question_id"], half)]}).encode(), JSON),
+            (path, json.dumps({"groups": [{"question_id": 1}]}).encode(), JSON),
+            (path, json.dumps({**groups, "extra": 1}).encode(), JSON),
+            (path, json.dumps(groups).encode(), {"content-type": "text/plain"}),
+            (path, json.dumps(groups).encode(), {}),
+            (path, b"not msgpack", FRAME),
+            (path, _frame(copy.deepcopy(groups), payload_fields=True), FRAME),
+            (path, _frame(copy.deepcopy(groups), nan=True), FRAME),
+            (path, _frame({"groups": [group(first["question_id"], half)]}), FRAME),
+        ]
+    one = {"groups": groups["groups"][:1]}
+    out += [
+        (commit, json.dumps(one).encode(), JSON),  # not the batch's groups
+        (commit, _frame(copy.deepcopy(one)), FRAME),
+        ("/v1/pools/p1/batches/nope/commit", json.dumps(groups).encode(), JSON),
+        ("/v1/pools/nope/runs/r1/ingest", json.dumps(one).encode(), JSON),
+        ("/v1/pools/p1/runs/nope/ingest", _frame(copy.deepcopy(one)), FRAME),
+        (ingest, json.dumps({"groups": [group(99999, [1.0, 0.0, 0.0, 0.0])]}).encode(), JSON),
+    ]
+    return out
+
+
 def _answer(r: httpx.Response) -> tuple[int, str | None, Any]:
     if r.headers.get("content-type") == "application/x-msgpack":
         return r.status_code, r.headers["content-type"], r.content
@@ -162,5 +222,29 @@ async def test_lean_routes_answer_as_fastapi_does(backend: Backend, monkeypatch:
                     )
                     assert got == want, (headers, path, body, extra)
                     statuses.add(got[0])
+            # commits and ingests that change nothing: the same answers, the solver not called
+            batch = await plan_batch(admin, "p1", "r1")
+            groups = make_groups(batch, correct_first(lambda q: q % 4))
+            writes = _writes(batch["id"], groups)
+            for headers in CALLERS:
+                for path, body, extra in writes:
+                    solved.clear()
+                    got = _answer(await fast.post(path, content=body, headers={**headers, **extra}))
+                    assert solved == [], (path, "the lean app called FastAPI's solver")
+                    want = _answer(await plain.post(path, content=body, headers={**headers, **extra}))
+                    assert got == want, (headers, path, body[:200], extra)
+                    statuses.add(got[0])
+            # and the writes themselves, in both encodings (the ingests' rollouts not the commit's)
+            other = make_groups(batch, correct_first(lambda q: q % 4), lambda q, row: [q, row + 50, 9])
+            ingest = "/v1/pools/p1/runs/r1/ingest"
+            for path, body, extra in [
+                (f"/v1/pools/p1/batches/{batch['id']}/commit", _frame(copy.deepcopy(groups)), FRAME),
+                (ingest, json.dumps({"groups": other["groups"][:4]}).encode(), JSON),
+                (ingest, _frame({"groups": copy.deepcopy(other["groups"][4:])}), FRAME),
+            ]:
+                solved.clear()
+                r = await fast.post(path, content=body, headers={**bearer(ADMIN_TOKEN), **extra})
+                assert r.status_code == 200 and solved == [], (path, r.text)
+                assert r.json()["stored_trajectories"] > 0, (path, r.json())
             # every kind of answer was compared
-            assert statuses >= {200, 401, 403, 404, 422}, statuses
+            assert statuses >= {200, 400, 401, 403, 404, 422}, statuses

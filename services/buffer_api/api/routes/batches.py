@@ -19,6 +19,7 @@ from exgrpo_pool.api.deps import (
     WritePool,
     WritePoolName,
 )
+from exgrpo_pool.api.lean import lean
 from exgrpo_pool.api.wire import FrameRoute, WireDep, frame_answer, frame_body
 from exgrpo_pool.offload import in_thread
 from exgrpo_pool.service import batches, tasks
@@ -43,6 +44,7 @@ async def batch_status(batch_id: BatchId, pool: ReadPool, ctx: ContextDep) -> s.
     response_model=s.CommitResult,
     openapi_extra=frame_body(s.BatchCommit, "The batch's graded groups"),
 )
+@lean
 async def commit_batch(
     batch_id: BatchId,
     body: s.BatchCommit,

@@ -161,6 +161,7 @@ async def plan_batch(
     response_model=s.CommitResult,
     openapi_extra=frame_body(s.IngestRequest, "The graded groups"),
 )
+@lean
 async def ingest(
     run: RunName,
     body: s.IngestRequest,
