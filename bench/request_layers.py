@@ -1,6 +1,7 @@
 """Where a small request's CPU goes, layer by layer, against the floor's.
 
-In one process, on a copy of the cached seeded pool (SQLite, `pool_bench.py` seeds it), each of
+In one process, on a copy of the cached seeded pool (SQLite, or Postgres + Redis; `pool_bench.py`
+seeds it), each of
 the polled reads (a page of 50 questions, a run's stats, the pool's stats) and an ids-only
 selection of 64 questions is sent as a bare ASGI call (no HTTP, no client) to:
 
@@ -15,6 +16,7 @@ medians printed, with app/floor. Routing is what ``app`` leaves after ``route`` 
 ``middleware``; the framework's handler what ``route`` leaves after ``service``.
 
     .venv/bin/python bench/request_layers.py [--size 10000] [--rounds 10] [--per-round 100]
+        [--backend sqlite|postgres]  (Postgres + Redis: the seeded template of `pool_bench.py`)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -102,7 +105,15 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     async with contextlib.AsyncExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         copy = await stack.enter_async_context(
-            _seed.seeded_copy("sqlite", args.size, pb.CACHE, tmp, "request_layers", pg_dsn="", redis_url="")
+            _seed.seeded_copy(
+                args.backend,
+                args.size,
+                pb.CACHE,
+                tmp,
+                "request_layers",
+                pg_dsn=args.pg_dsn,
+                redis_url=args.redis_url,
+            )
         )
         app = create_app(copy.settings, freeze_heap=True)
         await stack.enter_async_context(app.router.lifespan_context(app))
@@ -171,10 +182,16 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--per-round", type=int, default=100)
+    ap.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
+    ap.add_argument(
+        "--pg-dsn", default=os.environ.get("BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432")
+    )
+    ap.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0"))
     args = ap.parse_args()
     out = asyncio.run(measure(args))
     print(
-        f"\nSQLite, {args.size:,} questions, event-loop thread CPU us per request, "
+        f"\n{'SQLite' if args.backend == 'sqlite' else 'Postgres + Redis'}, {args.size:,} questions, "
+        "event-loop thread CPU us per request, "
         f"median of {args.rounds} rounds\n"
     )
     print("| request | app | middleware | routing | route's handler | service call | floor | app / floor |")
