@@ -39,11 +39,11 @@ def _counting_creator(prepared: list[str]) -> Callable[..., Any]:
         async def counted() -> Any:
             conn = await connect()
 
-            def authorize(action: int, arg1: str | None, *_: Any) -> int:
-                if action in (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_INSERT, sqlite3.SQLITE_DELETE):
-                    prepared.append(f"{action}:{arg1}")
-                if action == sqlite3.SQLITE_UPDATE:
-                    prepared.append(f"update:{arg1}")
+            def authorize(action: int, arg1: str | None, arg2: str | None, *_: Any) -> int:
+                # BEGIN and COMMIT are prepared for each transaction (`sqlite3` runs its COMMIT
+                # uncached): no plan to make, nothing to keep
+                if action != sqlite3.SQLITE_TRANSACTION:
+                    prepared.append(f"{action}:{arg1}:{arg2}")  # SQLite's action code, its table
                 return sqlite3.SQLITE_OK
 
             conn.live().set_authorizer(authorize)
