@@ -97,6 +97,8 @@ class Payloads:
     def check(self) -> None:
         """The payload rules of the API, over the whole frame at once (FrameError naming the first
         slot that breaks one)."""
+        if self._holds():
+            return
         lengths = self.lengths
         bad = np.flatnonzero((lengths == 0) | (lengths < -1))
         if bad.size:
@@ -130,6 +132,27 @@ class Payloads:
         bad = np.flatnonzero(lps > 1e-3)
         if bad.size:
             raise FrameError("log-probs must be <= 0 (they are log-probabilities)", slot_of(int(bad[0])))
+
+    def _holds(self) -> bool:
+        """Whether every rule of `check` holds, from a few reductions over the buffers (no array of
+        positions, no mask of the buffers' size: a commit's 1.4M tokens 0.6 -> 0.3 ms); where one
+        does not, `check` finds which and where."""
+        lengths, ids, lps = self.lengths, self.token_ids, self.logprobs
+        if lengths.size and (
+            int(lengths.min()) < -1
+            or int(lengths.max()) > s.MAX_TOKENS_PER_TRAJECTORY
+            or np.count_nonzero(lengths) != lengths.size
+        ):
+            return False
+        total = int(lengths[lengths > 0].sum(dtype=np.int64))
+        if total != ids.size or total != lps.size:
+            return False
+        if not total:
+            return True
+        # NaN in both if any is NaN; compared as float32, as `check` compares the buffer (1e-3 as
+        # a float32 is 1e-3 there, not the float32 just above it); not `high > 1e-3`: False for NaN
+        low, high = lps.min(), lps.max()
+        return bool(ids.min() >= 0 and high <= 1e-3 and low > -np.inf)
 
 
 # ----------------------------------------------------------------------------------- frames

@@ -4,6 +4,7 @@ real app with the same results."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import httpx
@@ -78,6 +79,67 @@ def test_checks_name_the_slot_that_breaks_a_rule() -> None:
     assert e.slot == 1 and "limit" in str(e)
     e = _bad([good, good], lengths=np.array([2, 1], "<i4").tobytes())
     assert e.slot is None and "add up to 3 tokens" in str(e)
+
+
+_SPECIAL = [0.0, -0.0, 1e-3, 2e-3, 0.5, -1e-30, float("nan"), float("inf"), float("-inf"), -3.0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(-3, 12), min_size=0, max_size=8),
+    st.integers(-2, 2),
+    st.lists(st.integers(-5, 40), max_size=4),
+    st.lists(st.sampled_from(_SPECIAL), max_size=4),
+    st.randoms(use_true_random=False),
+)
+def test_the_quick_check_agrees_with_the_one_that_names_the_slot(
+    lengths: list[int], extra: int, ids: list[int], lps: list[float], rnd: Any
+) -> None:
+    """`Payloads.check` first asks a few reductions whether every rule holds, and looks for the slot
+    only where one does not: the two agree on every frame, good or bad (tokens of each kind placed
+    at random, lengths that do or do not add up, zero, negative and too long lengths)."""
+    _agree(lengths, extra, ids, lps, rnd)
+
+
+@pytest.mark.parametrize("value", _SPECIAL)
+@pytest.mark.parametrize("where", [0, 3, 9])
+def test_the_quick_check_agrees_on_each_special_log_prob(value: float, where: int) -> None:
+    rnd = random.Random(where)
+    lps = np.full(10, -0.25, dtype="<f4")
+    lps[where] = value
+    p = frames.Payloads(np.array([4, -1, 6], "<i4"), np.arange(10, dtype="<i4"), lps)
+    assert p._holds() is not _broken(p)
+    _agree([4, -1, 6], 0, [], [value], rnd)
+
+
+def _broken(p: frames.Payloads) -> bool:
+    """Whether the check that names the slot refuses `p`."""
+    quick = frames.Payloads._holds
+    frames.Payloads._holds = lambda self: False  # type: ignore[method-assign]  # the slow path alone
+    try:
+        p.check()
+        return False
+    except frames.FrameError:
+        return True
+    finally:
+        frames.Payloads._holds = quick  # type: ignore[method-assign]
+
+
+def _agree(lengths: list[int], extra: int, ids: list[int], lps: list[float], rnd: Any) -> None:
+    total = sum(n for n in lengths if n > 0) + extra
+    size = max(total, 0)
+    token_ids = np.arange(size, dtype="<i4")
+    logprobs = np.full(size, -0.25, dtype="<f4")
+    for v in ids:
+        if size:
+            token_ids[rnd.randrange(size)] = v - 5  # -5..-1 break the rule, the others do not
+    for v in lps:
+        if size:
+            logprobs[rnd.randrange(size)] = v
+    if lengths and rnd.random() < 0.1:
+        lengths[rnd.randrange(len(lengths))] = s.MAX_TOKENS_PER_TRAJECTORY + 1
+    p = frames.Payloads(np.array(lengths, "<i4"), token_ids, logprobs)
+    assert p._holds() is not _broken(p)
 
 
 @pytest.mark.parametrize(
