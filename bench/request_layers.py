@@ -67,8 +67,9 @@ def _scope(
     }
 
 
-async def _call(app: Asgi, scope: dict[str, Any], body: bytes) -> dict[str, Any]:
-    """One request to `app`; its scope as the app left it (the route it matched)."""
+async def asgi_request(app: Asgi, scope: dict[str, Any], body: bytes) -> tuple[int, bytes, dict[str, Any]]:
+    """One request to `app` as a bare ASGI call: its status, its answer's body, and its scope as
+    the app left it (the route it matched)."""
     sent: list[dict[str, Any]] = []
     pending = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -80,8 +81,15 @@ async def _call(app: Asgi, scope: dict[str, Any], body: bytes) -> dict[str, Any]
 
     sc = {**scope, "headers": list(scope["headers"])}
     await app(sc, receive, send)
-    if sent[0]["status"] != 200:
-        raise SystemExit(f"{scope['path']}: {sent[0]['status']} {sent[1:2]}")
+    answer = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], answer, sc
+
+
+async def _call(app: Asgi, scope: dict[str, Any], body: bytes) -> dict[str, Any]:
+    """One request to `app` that must answer 200; its scope as the app left it."""
+    status, answer, sc = await asgi_request(app, scope, body)
+    if status != 200:
+        raise SystemExit(f"{scope['path']}: {status} {answer[:300]!r}")
     return sc
 
 

@@ -35,7 +35,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _floor
 import _seed
 import pool_bench as pb
-from request_layers import _scope
+from request_layers import Asgi, _scope, asgi_request
 
 from exgrpo_client import frames
 
 SKIP = 5
-Asgi = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
 class Timer:
@@ -203,18 +201,8 @@ def _timed_service_steps() -> None:
 
 
 async def _call(app: Asgi, scope: dict[str, Any], body: bytes) -> tuple[int, bytes]:
-    sent: list[dict[str, Any]] = []
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        return pending.pop() if pending else {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app({**scope, "headers": list(scope["headers"])}, receive, send)
-    answer = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return sent[0]["status"], answer
+    status, answer, _ = await asgi_request(app, scope, body)
+    return status, answer
 
 
 async def _side(side: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
