@@ -185,6 +185,10 @@ def _timed_service_steps() -> None:
     _wrap(batches, "lock_run", "    lock_run")
     _wrap(repo, "batch_rows", "    repo.batch_rows")
     _wrap(batches, "_check_against_plan", "    the groups checked against the plan")
+    for name in ("check_fence", "stored_plan", "rules_for", "scopes_of", "capacity_of", "_result"):
+        _wrap(batches, name, f"    batches.{name}")
+    for name in ("check_group_sizes", "decide_group"):
+        _wrap(experience, name, f"      experience.{name}")
     _wrap(batches, "apply_groups", "    apply_groups")
     for name in (
         "questions_in_pool",

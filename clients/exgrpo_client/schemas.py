@@ -463,7 +463,8 @@ class QuestionsPublic(Strict):
 # --------------------------------------------------------------------------------- trajectories
 class _PackedBytes:
     """`_packed`: a payload as packed bytes (little-endian int32 ids, float32 log-probs), beside
-    the model's fields. It lives in the model's private values (`__pydantic_private__`, which
+    the model's fields (on the service's request path, byte views into the request's frame
+    instead: `frames.attach(..., views=True)`). It lives in the model's private values (`__pydantic_private__`, which
     copies and pickles keep) but is no pydantic private attribute: pydantic initialises those with
     a Python call for every model it validates, thousands a request."""
 

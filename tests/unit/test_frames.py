@@ -45,13 +45,50 @@ def test_round_trip_keeps_every_slot(payloads: list[tuple[list[int], list[float]
     got_body, got = frames.decode(raw)
     got.check()
     assert got_body == body
-    for want, arrays, packed in zip(payloads, got.arrays(), got.chunks(), strict=True):
+    for want, arrays, packed, views in zip(payloads, got.arrays(), got.chunks(), got.views(), strict=True):
         if want is None:
-            assert arrays is None and packed is None
+            assert arrays is None and packed is None and views is None
             continue
-        assert arrays is not None and packed is not None
+        assert arrays is not None and packed is not None and views is not None
         assert arrays[0].tolist() == want[0] and arrays[1].tolist() == want[1]
         assert packed == (s.ids_bytes(want[0]), s.logprobs_bytes(want[1]))
+        # the views hold the same bytes, read out of the frame's buffers without a copy
+        assert (bytes(views[0]), bytes(views[1])) == packed
+        assert np.shares_memory(np.frombuffer(views[0], np.uint8), got.token_ids)
+        assert np.shares_memory(np.frombuffer(views[1], np.uint8), got.logprobs)
+
+
+_ODD_BODIES: list[tuple[dict[str, Any], int, list[str]]] = [
+    # (body, its payload slots, the JSON payload fields of the first slot that carries any)
+    ({}, 0, []),
+    ({"groups": "x"}, 0, []),
+    ({"groups": [1, {"rollouts": "x"}, {"rollouts": [{}, 2, {"reward": 1}]}]}, 2, []),
+    (
+        {
+            "groups": [
+                {"rollouts": [{}]},
+                {"rollouts": [{"logprobs": [], "token_ids_b64": ""}, {"token_ids": []}]},
+            ]
+        },
+        3,
+        ["token_ids_b64", "logprobs"],
+    ),
+    (
+        {"replay": [{"candidates": [{"id": 1}, "x", {"logprobs_b64": ""}]}, None, {"candidates": 3}]},
+        2,
+        ["logprobs_b64"],
+    ),
+    ({"groups": [], "replay": [{"candidates": [{}]}]}, 0, []),  # a body with groups has no other slots
+]
+
+
+@pytest.mark.parametrize(("body", "n", "fields"), _ODD_BODIES)
+def test_slots_of_odd_bodies(body: dict[str, Any], n: int, fields: list[str]) -> None:
+    listed = list(frames.slots(body))
+    assert len(listed) == n and all(isinstance(x, dict) for x in listed)
+    assert frames.json_fields_given(body) == fields
+    # the first slot that carries any, as `json_fields_in` names them
+    assert fields == next((f for f in map(frames.json_fields_in, listed) if f), [])
 
 
 def _bad(payloads: list[tuple[Any, Any] | None], **frame: Any) -> frames.FrameError:

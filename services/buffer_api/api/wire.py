@@ -96,12 +96,10 @@ async def _unframed(request: Request) -> Request:
     except frames.FrameError as e:
         where = _where(body, e.slot) if e.slot is not None else "payload"
         raise BadRequest(f"{where}: {e}") from e
-    for slot in frames.slots(body):
-        given = frames.json_fields_in(slot)
-        if given:
-            raise BadRequest(
-                f"a frame carries payloads in its buffers: its body has no {', '.join(given)} fields"
-            )
+    given = frames.json_fields_given(body)
+    if given:
+        fields = ", ".join(given)
+        raise BadRequest(f"a frame carries payloads in its buffers: its body has no {fields} fields")
     headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
     scope = {**request.scope, "headers": [*headers, (b"content-type", b"application/json")]}
     scope.setdefault("state", {})
@@ -128,8 +126,9 @@ class Wire:
         payloads = getattr(self.request.state, _PAYLOADS, None)
         if payloads is not None:
             # a frame's rollouts carry no payload fields (`_unframed` refuses them): all it has
-            # is in its buffers, checked there
-            frames.attach(model, payloads)
+            # is in its buffers, checked there; views into them (no copy), read while the
+            # request lasts (stored, hashed, bound to the statements as they are)
+            frames.attach(model, payloads, views=True)
         else:
             predecode(model.groups)
 

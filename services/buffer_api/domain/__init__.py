@@ -2,7 +2,14 @@
 
 from .buckets import bucket_probs, bucket_weight, check_weights
 from .collection import GroupAction, GroupDecision, decide_group, dedup, is_correct, trajectory_key
-from .composition import Composition, compose_batch, next_phase, replay_target, solved_fraction
+from .composition import (
+    Composition,
+    compose_batch,
+    next_phase,
+    replay_target,
+    solved_fraction,
+    solved_fraction_of,
+)
 from .epoch import epoch_order, refresh_active, take_fresh
 from .rules import ExperienceRules, Phase, Unit, Weighting
 from .sampler import Draw, allocate_counts, draw_indices, make_rng, sample_bucket_counts, sample_replay
@@ -33,6 +40,7 @@ __all__ = [
     "sample_bucket_counts",
     "sample_replay",
     "solved_fraction",
+    "solved_fraction_of",
     "take_fresh",
     "trajectory_key",
 ]

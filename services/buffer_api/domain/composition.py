@@ -97,6 +97,15 @@ def solved_fraction(rewards: Iterable[float]) -> float:
     for r in rewards:
         total += 1
         correct += is_correct(r)
+    return solved_fraction_of(correct, total)
+
+
+def solved_fraction_of(correct: int, total: int) -> float:
+    """`solved_fraction` of `total` rewards of which `correct` are correct (counted elsewhere).
+
+    Raises:
+        ValueError: no rewards.
+    """
     if total == 0:
         raise ValueError("solved_fraction needs at least one reward")
     return correct / total

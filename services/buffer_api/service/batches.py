@@ -24,7 +24,6 @@ from exgrpo_pool.domain import (
     next_phase,
     refresh_active,
     sample_replay,
-    solved_fraction,
     take_fresh,
 )
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
@@ -591,7 +590,7 @@ async def commit_batch(
             step=batch.step,
             policy_version=version,
         )
-        solved = solved_fraction(r.reward for g in req.groups for r in g.rollouts)
+        solved = applied.solved()
         switched = False
         if experience and run.phase == "on_policy" and next_phase("on_policy", solved, rules) == "mixed":
             run.phase, run.switched_at_step, switched = "mixed", batch.step, True
@@ -701,7 +700,7 @@ async def ingest(
             step=run.step if req.step is None else req.step,
             policy_version=req.policy_version,
         )
-        solved = solved_fraction(r.reward for g in req.groups for r in g.rollouts)
+        solved = applied.solved()
         result = _result(None, run, solved, False, applied)
     await _apply_all_moves(ctx, scopes.state, applied)
     _count(ctx, pool, applied)

@@ -8,10 +8,17 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.domain import ExperienceRules, GroupAction, GroupDecision, decide_group, trajectory_key
+from exgrpo_pool.domain import (
+    ExperienceRules,
+    GroupAction,
+    GroupDecision,
+    decide_group,
+    solved_fraction_of,
+    trajectory_key,
+)
 from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.index.base import Move
-from exgrpo_pool.service.convert import RunScopes, packed_of, pool_config, predecode
+from exgrpo_pool.service.convert import RunScopes, packed_of, pool_config
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import AnyPool, is_pool_scope, utcnow
 
@@ -25,9 +32,17 @@ class Applied:
     duplicates: int = 0
     bucket_moves: int = 0
     removed: int = 0
+    #: the groups' rollouts and the correct ones among them (`solved`)
+    rollouts: int = 0
+    correct: int = 0
     moves: list[Move] = field(default_factory=list)
     #: moves of other state scopes (a capacity eviction of shared trajectories)
     other_moves: dict[int, list[Move]] = field(default_factory=dict)
+
+    def solved(self) -> float:
+        """The fraction of correct rollouts among the groups' (``batch/solved``), counted while
+        the groups were decided: `solved_fraction` of their rewards."""
+        return solved_fraction_of(self.correct, self.rollouts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,18 +104,22 @@ async def apply_groups(
     retirement removes the question's trajectories where the retiring scope owns them.
 
     `experience=False` (a GRPO run): nothing is retired or collected, and a shared state scope is
-    left alone (the run's own scope still records each question's latest k)."""
+    left alone (the run's own scope still records each question's latest k).
+
+    The payloads are decoded and checked already, also the ones not stored (bad data is refused
+    consistently), before any lock: the routes do it (`Wire.prepare`: a frame's handed to the
+    rollouts, a JSON body's by `predecode`)."""
     scope = scopes.state
     check_group_sizes(groups, rules)
-    # every payload decoded and checked once, also the ones not stored (bad data is refused
-    # consistently); a route has done it before any lock, and then this only finds them done
-    predecode(groups)
     out = Applied()
     finals: dict[int, _Final] = {}
     traj_rows: list[dict[str, Any]] = []
     now = utcnow()
     for gi, g in enumerate(groups):
-        decision = decide_group([r.reward for r in g.rollouts], rules, collect=collect)
+        rewards = [r.reward for r in g.rollouts]
+        decision = decide_group(rewards, rules, collect=collect)
+        out.rollouts += len(rewards)
+        out.correct += decision.num_correct
         if not experience:
             decision = GroupDecision(GroupAction.IGNORE, decision.num_correct, None, ())
         final = finals.setdefault(g.question_id, _Final(last_k=decision.num_correct))
