@@ -464,9 +464,10 @@ class QuestionsPublic(Strict):
 class _PackedBytes:
     """`_packed`: a payload as packed bytes (little-endian int32 ids, float32 log-probs), beside
     the model's fields (on the service's request path, byte views into the request's frame
-    instead: `frames.attach(..., views=True)`). It lives in the model's private values (`__pydantic_private__`, which
-    copies and pickles keep) but is no pydantic private attribute: pydantic initialises those with
-    a Python call for every model it validates, thousands a request."""
+    instead: `frames.attach(..., views=True)`). It lives in the model's private values
+    (`__pydantic_private__`, which copies and pickles keep) but is no pydantic private attribute:
+    pydantic initialises those with a Python call for every model it validates, thousands a
+    request."""
 
     __slots__ = ()
 
