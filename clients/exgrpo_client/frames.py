@@ -81,13 +81,8 @@ class Payloads:
 
     def chunks(self) -> list[tuple[bytes, bytes] | None]:
         """Each slot's packed (ids, log-probs) bytes, or None: each slot copied once out of the
-        frame's buffers (through byte views of them, not a copy of the whole buffer first)."""
-        ids = np.ascontiguousarray(self.token_ids).data.cast("B")
-        lps = np.ascontiguousarray(self.logprobs).data.cast("B")
-        return [
-            None if sp is None else (ids[sp[0] : sp[1]].tobytes(), lps[sp[0] : sp[1]].tobytes())
-            for sp in self._spans(4)
-        ]
+        frame's buffers (from its `views`, not a copy of the whole buffer first)."""
+        return [None if v is None else (v[0].tobytes(), v[1].tobytes()) for v in self.views()]
 
     def views(self) -> list[tuple[memoryview, memoryview] | None]:
         """Each slot's (ids, log-probs) as byte views into the frame's buffers, or None: no copy,
