@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from pydantic_core import to_json, to_jsonable_python
+from pydantic_core import to_jsonable_python
 from sqlalchemy import Row
 
 from exgrpo_client import frames
 from exgrpo_client import schemas as s
 from exgrpo_client.schemas import packed_of, set_packed
+from exgrpo_pool import jsonwrite
 from exgrpo_pool.domain import ExperienceRules, check_weights
 from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.store.models import (
@@ -354,7 +355,7 @@ class Answer:
         replay = [
             {**item, "candidates": [with_b64(c) for c in item["candidates"]]} for item in self.body["replay"]
         ]
-        return to_json({**self.body, "replay": replay})
+        return jsonwrite.dumps({**self.body, "replay": replay})
 
     def frame(self) -> bytes:
         return frames.encode(self.body, self.payloads)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pydantic import ValidationError
-from pydantic_core import to_json
 from sqlalchemy.exc import IntegrityError
 
 from exgrpo_client import schemas as s
+from exgrpo_pool import jsonwrite
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
 from exgrpo_pool.service.batches import rebuild_index
 from exgrpo_pool.service.context import Context
@@ -153,7 +153,8 @@ async def list_questions(ctx: Context, pool_name: str, after: int, limit: int) -
         if not qs and await repo.pool_row(session, pool_name) is None:
             raise missing_pool(pool_name)
     data = [question_body(q, pool_name) for q in qs]
-    return to_json({"data": data, "count": len(data), "next_after": qs[-1].id if len(qs) == limit else None})
+    next_after = qs[-1].id if len(qs) == limit else None
+    return jsonwrite.dumps({"data": data, "count": len(data), "next_after": next_after})
 
 
 async def question_detail(ctx: Context, pool: Pool, qid: int, *, payload: bool) -> s.QuestionDetail:
