@@ -156,3 +156,61 @@ async def test_a_runs_last_replays_are_found_from_its_newest_batches(
             assert len(plan["replay"]) == replayed[-1] > 0
     early, late = work  # 32 and 32; 89 and 397 when every batch of the run was read
     assert late < early * 1.5, work
+
+
+async def test_a_run_known_to_be_past_the_loops_share_is_counted_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run whose last count went past `repo.RECENT_ON_LOOP` is counted in a worker thread at once,
+    not up to the cap on the event loop first and then again; one that falls back under the cap
+    (its trajectories older than five minutes) is counted on the loop again. The numbers are the
+    same every way."""
+    on_loop: list[str] = []
+    off_loop: list[str] = []
+    fetch_all, fetch_all_off_loop = sqlite_inline.fetch_all, sqlite_inline.fetch_all_off_loop
+
+    def recent_count(sql: str) -> bool:
+        return "created_at >=" in sql
+
+    async def spied(conn: Any, sql: str, parameters: Sequence[Any]) -> list[Any]:
+        if recent_count(sql):
+            on_loop.append(sql)
+        return await fetch_all(conn, sql, parameters)
+
+    async def spied_off(conn: Any, sql: str, parameters: Sequence[Any]) -> list[Any]:
+        if recent_count(sql):
+            off_loop.append(sql)
+        return await fetch_all_off_loop(conn, sql, parameters)
+
+    backend = Backend("sqlite-memory", f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", None, "unused")
+    async with serve(backend.settings()) as client:
+        await _two_runs_trained(client)
+        before = await run_stats(client, run="r1")
+        assert before["trajectories"] > 3
+        monkeypatch.setattr(sqlite_inline, "fetch_all", spied)
+        monkeypatch.setattr(sqlite_inline, "fetch_all_off_loop", spied_off)
+        monkeypatch.setattr(repo, "RECENT_ON_LOOP", 3)
+        first = await run_stats(client, run="r1")
+        assert (len(on_loop), len(off_loop)) == (1, 1)  # up to the cap on the loop, then all of it
+        again = [await run_stats(client, run="r1") for _ in range(3)]
+        assert (len(on_loop), len(off_loop)) == (1, 4)  # known past the cap: off the loop at once
+        assert first == before and all(a == before for a in again)
+        # every trajectory of r1 older than five minutes: counted off the loop once more (zero),
+        # then on the loop again
+        engine = create_async_engine(backend.database_url)
+        try:
+            async with engine.begin() as conn:
+                old = (utcnow() - timedelta(hours=1)).strftime("%Y-%m-%d %H:%M:%S.%f")
+                await conn.execute(
+                    text(
+                        "UPDATE trajectory SET created_at = :old WHERE source_run_id = "
+                        "(SELECT id FROM run WHERE name = 'r1')"
+                    ),
+                    {"old": old},
+                )
+        finally:
+            await engine.dispose()
+        quiet = [await run_stats(client, run="r1") for _ in range(2)]
+        assert (len(on_loop), len(off_loop)) == (2, 5)
+        assert [q["ingest_per_minute"] for q in quiet] == [0.0, 0.0]
+        assert all(q["trajectories"] == before["trajectories"] for q in quiet)

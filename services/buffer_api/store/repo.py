@@ -1364,10 +1364,15 @@ async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, lim
 
 
 #: SQLite on the event loop (the inline driver): a run's stats count its recent trajectories
-#: there up to this many index entries (~0.7 ms); a run past it is counted again in a worker
+#: there up to this many index entries (~0.5 ms); a run past it is counted again in a worker
 #: thread, so that the stats of a run ingesting fast (300k trajectories in five minutes at 1k/s:
 #: ~11 ms of counting) do not hold up every other request
 RECENT_ON_LOOP = 20_000
+
+#: (database, run) of the runs whose last count of recent trajectories went past
+#: `RECENT_ON_LOOP`: counted in the worker thread at once (not up to the cap on the loop first,
+#: then again), until a count falls under the cap. It decides where a run is counted, never what.
+_COUNTED_OFF_LOOP: set[tuple[str | None, int]] = set()
 
 
 async def run_trajectory_counts(
@@ -1388,37 +1393,53 @@ async def run_trajectory_counts(
         f"SELECT 0, run_id, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
         f"AND run_id {q.ids(ids)} GROUP BY run_id"
     )
-    cap = RECENT_ON_LOOP + 1
-    if inline is None:
+    stored: dict[int, int] = {}
+    lately: dict[int, int] = {}
+    if inline is None:  # Postgres counts on its server, off the loop anyway
         recent = (
             f"SELECT 1, source_run_id, count(*) FROM trajectory WHERE source_run_id {q.ids(ids)} "
             f"AND created_at >= {q.arg(bound_since)} GROUP BY source_run_id"
         )
-    else:  # each run's count stops at the cap
-        recent = " UNION ALL ".join(
-            f"SELECT 1, {q.arg(r)}, (SELECT count(*) FROM (SELECT 1 FROM trajectory WHERE "
+        for is_recent, run_id, n in await _driver_rows(conn, f"{totals} UNION ALL {recent}", q.args):
+            (lately if is_recent else stored)[int(run_id)] = int(n)
+    else:
+        database = conn.engine.url.database
+        known = [r for r in ids if (database, r) in _COUNTED_OFF_LOOP]
+        cap = RECENT_ON_LOOP + 1
+        # each run's count stops at the cap
+        recent = "".join(
+            f" UNION ALL SELECT 1, {q.arg(r)}, (SELECT count(*) FROM (SELECT 1 FROM trajectory WHERE "
             f"source_run_id = {q.arg(r)} AND created_at >= {q.arg(bound_since)} LIMIT {q.arg(cap)}))"
             for r in ids
+            if r not in known
         )
-    stored: dict[int, int] = {}
-    lately: dict[int, int] = {}
-    for is_recent, run_id, n in await _driver_rows(conn, f"{totals} UNION ALL {recent}", q.args):
-        (lately if is_recent else stored)[int(run_id)] = int(n)
-    over = [r for r, n in lately.items() if n >= cap]
-    if inline is not None and over:
-        again = _Sql(conn)
-        sql = (
-            f"SELECT source_run_id, count(*) FROM trajectory WHERE source_run_id {again.ids(over)} "
-            f"AND created_at >= {again.arg(bound_since)} GROUP BY source_run_id"
-        )
-        try:
-            rows = await sqlite_inline.fetch_all_off_loop(inline, sql, again.args)
-        except sqlite3.Error as e:
-            raise DBAPIError.instance(sql, again.args, e, sqlite3.Error) from e
-        lately.update((int(run_id), int(n)) for run_id, n in rows)
+        for is_recent, run_id, n in await _driver_rows(conn, f"{totals}{recent}", q.args):
+            (lately if is_recent else stored)[int(run_id)] = int(n)
+        over = known + [r for r, n in lately.items() if n >= cap]
+        if over:
+            lately.update(await _recent_off_loop(inline, over, bound_since))
+        for r in ids:
+            if lately.get(r, 0) >= cap:
+                _COUNTED_OFF_LOOP.add((database, r))
+            else:
+                _COUNTED_OFF_LOOP.discard((database, r))
     for run_id in ids:
         out[run_id] = (stored.get(run_id, 0), lately.get(run_id, 0))
     return out
+
+
+async def _recent_off_loop(inline: sqlite3.Connection, run_ids: Sequence[int], since: Any) -> dict[int, int]:
+    """Each run's trajectories from `since` on, counted in a worker thread: a count per run over its
+    part of the (run, created) index (with `IN (...) GROUP BY` SQLite takes ~2.3x as long: 1.4
+    against 0.62 ms for 34k entries)."""
+    one = "SELECT ?, (SELECT count(*) FROM trajectory WHERE source_run_id = ? AND created_at >= ?)"
+    sql = " UNION ALL ".join([one] * len(run_ids))
+    args = [value for r in run_ids for value in (r, r, since)]
+    try:
+        rows = await sqlite_inline.fetch_all_off_loop(inline, sql, args)
+    except sqlite3.Error as e:
+        raise DBAPIError.instance(sql, args, e, sqlite3.Error) from e
+    return {int(run_id): int(n) for run_id, n in rows}
 
 
 # ----------------------------------------------------------------------------------- batches
