@@ -4,7 +4,8 @@ In one process, on copies of the cached seeded pool (SQLite, `pool_bench.py` see
 service's app and the floor's app (`bench/_floor.py`) each answer `--steps` training steps as bare
 ASGI calls (no HTTP, no client, as `bench/request_layers.py` sends them): a plan (answered as a
 frame) and its commit of 64 fresh and 64 replayed groups (1,024 rollouts, ~3.5 MB), or with
-`--request ingest` also an ingest of 32 fresh groups, the request measured. Three views, all CPU
+`--request ingest` also an ingest of 32 fresh groups, the request measured (sent as a frame, or with
+`--encoding json` as JSON with base64 payloads). Three views, all CPU
 of the event-loop thread unless said:
 
 * per request: the process's CPU (every thread: the service hashes a commit in a thread, and the
@@ -16,7 +17,8 @@ of the event-loop thread unless said:
 
 The first 5 steps are left out. The wrappers cost ~1-2 us a call.
 
-    .venv/bin/python bench/write_steps.py [--request commit|ingest] [--steps 60] [--size 10000]
+    .venv/bin/python bench/write_steps.py [--request commit|ingest] [--encoding binary|json]
+        [--steps 60] [--size 10000]
 """
 
 from __future__ import annotations
@@ -174,11 +176,13 @@ def _timed_service_steps() -> None:
     from exgrpo_pool.store import repo
 
     _wrap(wire, "_unframed", "the frame read and checked (wire)")
+    _wrap(wire, "_json_parsed", "the JSON body read and parsed (wire)")
     _wrap(frames, "decode", "  frames.decode")
     _wrap(frames.Payloads, "check", "  Payloads.check")
     _wrap(lean, "request_body_to_args", "the body validated")
     _wrap(fastapi_deps, "request_body_to_args", "the body validated (FastAPI's solver)")
     _wrap(wire.Wire, "prepare", "payloads handed to the rollouts")
+    _wrap(wire, "predecode", "  the JSON payloads decoded and checked")
     _wrap(deps.Idempotency, "run", "the write (Idempotency.run)")
     _wrap(batches, "commit_batch", "  service.commit_batch")
     _wrap(batches, "ingest", "  service.ingest")
@@ -219,6 +223,7 @@ async def _side(side: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
     run = _seed.RUN_NAME
     frame = frames.MEDIA_TYPE.encode()
     json_in = (b"content-type", b"application/json")
+    body_type = (b"content-type", frame if args.encoding == "binary" else b"application/json")
     async with contextlib.AsyncExitStack() as stack:
         copy = await stack.enter_async_context(
             _seed.seeded_copy("sqlite", args.size, pb.CACHE, tmp, side, pg_dsn="", redis_url="")
@@ -245,16 +250,16 @@ async def _side(side: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
                 raise SystemExit(f"{side}: plan answered {status}: {raw[:300]!r}")
             plan = frames.decode(raw)[0]
             commit = (
-                _scope("POST", f"{prefix}/batches/{plan['id']}/commit", headers=((b"content-type", frame),)),
-                trainer.commit_body(plan, "binary"),
+                _scope("POST", f"{prefix}/batches/{plan['id']}/commit", headers=(body_type,)),
+                trainer.commit_body(plan, args.encoding),
             )
             measured = commit
             if args.request == "ingest":
                 await _call(app, *commit)
                 qids = [picks.randrange(1, args.size + 1) for _ in range(32)]
                 measured = (
-                    _scope("POST", f"{prefix}/runs/{run}/ingest", headers=((b"content-type", frame),)),
-                    trainer.ingest_body(qids, "binary"),
+                    _scope("POST", f"{prefix}/runs/{run}/ingest", headers=(body_type,)),
+                    trainer.ingest_body(qids, args.encoding),
                 )
             SQL.on = STEPS.on = i >= SKIP
             p0, t0 = time.process_time(), time.thread_time()
@@ -290,6 +295,7 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--request", choices=["commit", "ingest"], default="commit")
+    ap.add_argument("--encoding", choices=["binary", "json"], default="binary")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--size", type=int, default=10_000)
     args = ap.parse_args()

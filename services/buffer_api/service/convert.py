@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pybase64
 from pydantic_core import to_jsonable_python
 from sqlalchemy import Row
 
@@ -364,7 +365,15 @@ class Answer:
 def predecode(groups: list[s.GroupResult]) -> None:
     """Decode and check every JSON payload of a commit or an ingest before the request takes a
     lock or opens a transaction: the packed bytes wait on their rollouts, where `decode_payload`
-    finds them (a frame's rollouts hold theirs already)."""
+    finds them (a frame's rollouts hold theirs already).
+
+    Payloads sent as base64 (the SDK's JSON form) are decoded one by one and checked for the whole
+    request at once, over all their tokens, as a frame's are (`_base64_payloads`): checked rollout
+    by rollout, a commit's 1,024 cost ~6.9 ms, ~15 numpy calls each. Where a body holds lists, or
+    any payload breaks a rule, every rollout is checked alone, so that the error names the first
+    that breaks one, word for word as before."""
+    if _base64_payloads(groups):
+        return
     for gi, g in enumerate(groups):
         for ri, r in enumerate(g.rollouts):
             if packed_of(r) is not None:
@@ -379,6 +388,48 @@ def predecode(groups: list[s.GroupResult]) -> None:
             payload = decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
             if payload is not None:
                 set_packed(r, (payload[0].tobytes(), payload[1].tobytes()))
+
+
+def _base64_payloads(groups: list[s.GroupResult]) -> bool:
+    """Give every rollout that carries a payload as base64 its packed bytes, if each of them holds
+    every rule of `decode_payload` (then True). False, and nothing given, where a rollout carries
+    a list, or a payload breaks a rule: `predecode` then checks rollout by rollout."""
+    decoded: list[tuple[s.RolloutResult, bytes, bytes]] = []
+    longest = 0
+    for g in groups:
+        for r in g.rollouts:
+            ids_b64, lps_b64 = r.token_ids_b64, r.logprobs_b64
+            if ids_b64 is None or lps_b64 is None:
+                if r.token_ids is None and r.logprobs is None and (ids_b64 is None) == (lps_b64 is None):
+                    continue  # no payload (or a frame's, handed over already)
+                return False
+            if packed_of(r) is not None:
+                continue
+            try:
+                ids, lps = (
+                    pybase64.b64decode(ids_b64, validate=True),
+                    pybase64.b64decode(lps_b64, validate=True),
+                )
+            except ValueError:
+                return False
+            if not ids or len(ids) != len(lps) or len(ids) % 4:
+                return False
+            longest = max(longest, len(ids))
+            decoded.append((r, ids, lps))
+    if not decoded:
+        return True
+    if longest // 4 > s.MAX_TOKENS_PER_TRAJECTORY:
+        return False
+    token_ids = np.frombuffer(b"".join([d[1] for d in decoded]), dtype=s.ID_DTYPE)
+    logprobs = np.frombuffer(b"".join([d[2] for d in decoded]), dtype=s.LOGPROB_DTYPE)
+    # as `decode_payload` compares them: the ids as integers, the log-probs as float32 (1e-3 too);
+    # NaN makes the highest NaN, and `<=` False
+    low, high = logprobs.min(), logprobs.max()
+    if not (token_ids.min() >= 0 and high <= 1e-3 and low > -np.inf):
+        return False
+    for r, ids, lps in decoded:
+        set_packed(r, (ids, lps))
+    return True
 
 
 def decode_payload(r: s.Payload, where: str) -> tuple[np.ndarray, np.ndarray] | None:
