@@ -48,6 +48,8 @@ class _Recording:
     commands: list[str] = field(default_factory=list)
     #: one entry per trip to Redis: a command's name, or the names a pipeline sent in one go
     trips: list[str] = field(default_factory=list)
+    #: the arguments of every command sent alone (not in a pipeline), its name first
+    sent: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 def _record(ctx: Context) -> _Recording:
@@ -59,6 +61,7 @@ def _record(ctx: Context) -> _Recording:
     async def execute_command(*args: Any, **kwargs: Any) -> Any:
         rec.commands.append(str(args[0]).upper())
         rec.trips.append(rec.commands[-1])
+        rec.sent.append(args)
         return await plain(*args, **kwargs)
 
     make_pipeline = client.pipeline
@@ -152,6 +155,27 @@ async def test_a_plan_and_a_select_take_two_redis_round_trips(backend: Backend) 
         del trips[:]
         sel = ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 2}))
         assert sel["replay"] and len(trips) == 2, trips
+
+
+@pytest.mark.parametrize("backend", ["postgres-redis"], indirect=True)
+async def test_a_pick_sends_its_ranks_as_one_argument(backend: Backend) -> None:
+    """The ranks a plan or a selection picks go to Redis packed in one argument of the pick's
+    script, not two per question (the client encodes each argument in Python): the same few
+    arguments for 2 questions as for 12, and the picks are those asked for."""
+    async with _serve(backend) as (client, ctx):
+        await setup_pool(client, questions=128, phase="mixed")
+        for _ in range(3):
+            plan = await plan_batch(client)
+            ok(await commit_batch(client, plan, make_groups(plan, correct_first(lambda q: 2))))
+        sizes: list[int] = []
+        for n in (2, 12):
+            rec = _record(ctx)
+            sel = ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": n, "seed": 5}))
+            picked = [r["question_id"] for r in sel["replay"]]
+            assert len(set(picked)) == n <= sel["num_eligible"], sel["num_eligible"]
+            assert len(rec.sent) == 2 and str(rec.sent[1][0]).upper() == "EVALSHA", rec.sent
+            sizes.append(len(rec.sent[1]))
+        assert sizes[0] == sizes[1] <= 6, sizes
 
 
 @pytest.mark.parametrize("backend", ["postgres-redis"], indirect=True)

@@ -118,13 +118,20 @@ end
 return out
 """
 
-# ARGV[1] bucket key prefix, then pairs of bucket and rank. Answers the member at each rank, or ''
-# where the bucket has no such rank (it shrank since it was sized)
+# ARGV[1] bucket key prefix, ARGV[2] pairs of bucket and rank in one text, "b r b r ..." (one
+# argument: the client encodes each argument in Python, ~0.5 us apiece, two per question). Answers
+# the member at each rank, or '' where the bucket has no such rank (it shrank since it was sized)
 _PICK = """
 local out = {}
-for i = 2, #ARGV, 2 do
-  local m = redis.call('ZRANGE', ARGV[1] .. ARGV[i], ARGV[i + 1], ARGV[i + 1])
-  out[#out + 1] = m[1] or ''
+local bucket = nil
+for word in string.gmatch(ARGV[2], '%S+') do
+  if bucket == nil then
+    bucket = word
+  else
+    local m = redis.call('ZRANGE', ARGV[1] .. bucket, word, word)
+    out[#out + 1] = m[1] or ''
+    bucket = nil
+  end
 end
 return out
 """
@@ -239,15 +246,15 @@ class RedisIndex:
         """One trip: a script reads every rank (a pipeline of one ZRANGE per rank costs the client
         three times as much)."""
         out: dict[int, list[int]] = {b: [] for b in ranks}
-        args: list[int | str] = [self._k(scope, "b:")]
+        pairs: list[str] = []
         order: list[int] = []
         for bucket, rs in ranks.items():
             for r in rs:
-                args += (bucket, int(r))
+                pairs.append(f"{int(bucket)} {int(r)}")
                 order.append(bucket)
         if not order:
             return out
-        replies = await self._pick(keys=[], args=args)
+        replies = await self._pick(keys=[], args=[self._k(scope, "b:"), " ".join(pairs)])
         for bucket, reply in zip(order, replies, strict=True):
             if reply:
                 out[bucket].append(int(reply))
