@@ -95,8 +95,11 @@ def grade_one(
     With ``timeout_s`` set, the limit is enforced with ``SIGALRM`` (``setitimer``), so this must run
     on the main thread (``RuntimeError`` otherwise); Math-Verify's own alarms are disabled meanwhile.
     With ``timeout_s=None`` no outer limit is applied (Math-Verify keeps its defaults on the main
-    thread). A C-level hang that never returns to the interpreter cannot be interrupted here: use
-    :class:`GradingPool` for untrusted graders or inputs.
+    thread). A C-level hang that never returns to the interpreter cannot be interrupted here, and a
+    grader that arms or cancels the process's alarm timer itself cancels this limit with it (a plug-in
+    calling Math-Verify with its default limits does: ``alarm(5)``, then ``alarm(0)``; such a grader
+    that then ran for 20 s was graded after 20 s under ``timeout_s=0.5``): use :class:`GradingPool`,
+    whose limits kill the grading process, for untrusted graders or inputs.
     """
     fn = get_grader(grader) if isinstance(grader, str) else grader
     if not callable(fn):
