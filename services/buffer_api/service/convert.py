@@ -395,7 +395,6 @@ def _base64_payloads(groups: list[s.GroupResult]) -> bool:
     every rule of `decode_payload` (then True). False, and nothing given, where a rollout carries
     a list, or a payload breaks a rule: `predecode` then checks rollout by rollout."""
     decoded: list[tuple[s.RolloutResult, bytes, bytes]] = []
-    longest = 0
     for g in groups:
         for r in g.rollouts:
             ids_b64, lps_b64 = r.token_ids_b64, r.logprobs_b64
@@ -412,20 +411,21 @@ def _base64_payloads(groups: list[s.GroupResult]) -> bool:
                 )
             except ValueError:
                 return False
-            if not ids or len(ids) != len(lps) or len(ids) % 4:
+            if len(ids) != len(lps) or len(ids) % 4:
                 return False
-            longest = max(longest, len(ids))
             decoded.append((r, ids, lps))
     if not decoded:
         return True
-    if longest // 4 > s.MAX_TOKENS_PER_TRAJECTORY:
-        return False
-    token_ids = np.frombuffer(b"".join([d[1] for d in decoded]), dtype=s.ID_DTYPE)
-    logprobs = np.frombuffer(b"".join([d[2] for d in decoded]), dtype=s.LOGPROB_DTYPE)
-    # as `decode_payload` compares them: the ids as integers, the log-probs as float32 (1e-3 too);
-    # NaN makes the highest NaN, and `<=` False
-    low, high = logprobs.min(), logprobs.max()
-    if not (token_ids.min() >= 0 and high <= 1e-3 and low > -np.inf):
+    # the payload rules of a frame, over all the tokens at once (no token, too many, ids below 0,
+    # log-probs not finite or above 1e-3): `decode_payload`'s rules for payloads of whole tokens
+    payloads = frames.Payloads(
+        np.array([len(d[1]) // 4 for d in decoded], dtype=np.int32),
+        np.frombuffer(b"".join([d[1] for d in decoded]), dtype=s.ID_DTYPE),
+        np.frombuffer(b"".join([d[2] for d in decoded]), dtype=s.LOGPROB_DTYPE),
+    )
+    try:
+        payloads.check()
+    except frames.FrameError:
         return False
     for r, ids, lps in decoded:
         set_packed(r, (ids, lps))
