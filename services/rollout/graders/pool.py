@@ -92,14 +92,17 @@ def grade_one(
 ) -> Grade:
     """Grade one item in this process.
 
-    With ``timeout_s`` set, the limit is enforced with ``SIGALRM`` (``setitimer``), so this must run
-    on the main thread (``RuntimeError`` otherwise); Math-Verify's own alarms are disabled meanwhile.
-    With ``timeout_s=None`` no outer limit is applied (Math-Verify keeps its defaults on the main
-    thread). A C-level hang that never returns to the interpreter cannot be interrupted here, and a
-    grader that arms or cancels the process's alarm timer itself cancels this limit with it (a plug-in
-    calling Math-Verify with its default limits does: ``alarm(5)``, then ``alarm(0)``; such a grader
-    that then ran for 20 s was graded after 20 s under ``timeout_s=0.5``): use :class:`GradingPool`,
-    whose limits kill the grading process, for untrusted graders or inputs.
+    With ``timeout_s`` set, the limit interrupts the grader with ``SIGALRM``, so this must run on the
+    main thread (``RuntimeError`` otherwise); Math-Verify's own alarms are disabled meanwhile. The
+    signal comes from the process's alarm timer (``setitimer``; a timer the caller had armed runs on
+    afterwards) and from a watchdog thread: a grader that arms or cancels the timer itself (a plug-in
+    calling Math-Verify with its default limits: ``alarm(5)``, then ``alarm(0)``) does not cancel
+    the limit, and past the limit the signal is repeated every ``20 ms`` until the grader has
+    stopped, so an interrupt lost where Python swallows exceptions (inside ``__del__``, a weakref
+    callback) is not the last. With ``timeout_s=None`` no outer limit
+    is applied (Math-Verify keeps its defaults on the main thread). A C-level call that never returns
+    to the interpreter cannot be interrupted here: use :class:`GradingPool`, whose limits kill the
+    grading process, for untrusted graders or inputs.
     """
     fn = get_grader(grader) if isinstance(grader, str) else grader
     if not callable(fn):
@@ -118,22 +121,104 @@ def grade_one(
             "use GradingPool, or timeout_s=None"
         )
 
-    def on_alarm(_signum: int, _frame: FrameType | None) -> None:
-        raise GradeTimeout()
+    armed = [True]  # cleared as the grader stops: from then on a late signal is ignored
 
+    def on_alarm(_signum: int, _frame: FrameType | None) -> None:
+        if armed[0]:
+            raise GradeTimeout()
+
+    started = time.monotonic()
+    outer = _WATCHDOG.arm(started + timeout_s)
+    app_timer = signal.getitimer(signal.ITIMER_REAL)
     previous = signal.signal(signal.SIGALRM, on_alarm)
     try:
         try:
+            # the first signal comes from the kernel's timer: it lands while the main thread holds
+            # the GIL (in a long C call, the handler runs as soon as the call returns); the watchdog
+            # is the backstop
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
             with external_deadline():
                 result = call_grader(fn, response, ground_truth)
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            armed[0] = False
     except GradeTimeout:
+        # raised at the latest just before ``armed`` was cleared above; nothing here calls out before
+        # it is cleared again, so no second one can come
+        armed[0] = False
         result = _TIMEOUT
     finally:
+        _WATCHDOG.restore(outer)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        # a signal sent before now has reached ``on_alarm`` (which ignored it) when these calls return
         signal.signal(signal.SIGALRM, previous)
+        if app_timer[0] > 0:  # the caller's own timer runs on (one due meanwhile fires now)
+            left = app_timer[0] - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-6), app_timer[1])
     return result
+
+
+class _Watchdog:
+    """``grade_one``'s limit: one thread per process that sends ``SIGALRM`` to the main thread once the
+    armed deadline has passed, and again every ``repeat_s`` until the deadline is taken back.
+
+    Beside the process's alarm timer, not instead of it: a grader that arms or cancels that timer
+    itself (Math-Verify's own limits do) cancels the timer's signal, and one signal lost where Python
+    swallows exceptions (``__del__``, weakref callbacks) would be the last. The timer still comes
+    first where it can: a thread must take the GIL to send its signal, so while the main thread runs
+    long C calls the watchdog's signal lands one call later than the timer's. No signal is sent once
+    :meth:`restore` has returned. The thread starts on first use, and again in a forked child.
+    """
+
+    def __init__(self, repeat_s: float = 0.02) -> None:
+        self.repeat_s = repeat_s
+        self._pid = -1
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def arm(self, deadline: float) -> float | None:
+        """Arm ``deadline`` (``time.monotonic()``; an armed earlier one stays in force); returns the
+        deadline it replaces, for :meth:`restore`."""
+        if self._pid != os.getpid():  # first use, or a forked child: the lock and thread are not ours
+            self._pid, self._cond, self._thread = os.getpid(), threading.Condition(), None
+            self._deadline = None
+        with self._cond:
+            outer = self._deadline
+            self._deadline = deadline if outer is None else min(deadline, outer)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run,
+                    args=(threading.main_thread().ident,),
+                    name="exgrpo-grade-limit",
+                    daemon=True,
+                )
+                self._thread.start()
+            elif outer is None or self._deadline < outer:
+                self._cond.notify()
+        return outer
+
+    def restore(self, outer: float | None) -> None:
+        """Take the armed deadline back (an enclosing one, ``outer``, is armed again)."""
+        with self._cond:
+            self._deadline = outer
+
+    def _run(self, thread_id: int | None) -> None:
+        if thread_id is None:
+            return
+        with self._cond:
+            while True:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                signal.pthread_kill(thread_id, signal.SIGALRM)
+                self._cond.wait(self.repeat_s)
+
+
+_WATCHDOG = _Watchdog()
 
 
 def grade_items(
