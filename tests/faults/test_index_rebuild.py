@@ -166,6 +166,29 @@ async def test_loaded_sizes_answers_loaded_and_sizes_together(index: Any) -> Non
     assert await index.loaded_sizes(4) is None and await index.sizes(4) == {1: 2}
 
 
+async def test_a_pick_against_known_sizes_answers_the_picks_or_the_sizes_now(index: Any) -> None:
+    """`pick_sized` picks only when the scope is loaded with exactly the sizes the caller drew from
+    (every non-empty bucket, no other); otherwise it answers the sizes as they are (None: not
+    loaded), read together with the loaded marker."""
+    assert await index.pick_sized(5, {}, {}) == (None, None)  # never built
+    assert await index.replace(5, {1: [10, 11], 2: [12]})
+    assert await index.pick_sized(5, {1: 2, 2: 1}, {1: [1], 2: [0]}) == ({1: [11], 2: [12]}, {1: 2, 2: 1})
+    assert await index.pick_sized(5, {1: 2, 2: 1}, {}) == ({}, {1: 2, 2: 1})
+    # a bucket the caller does not know of, one it knows that is not there, a size off by one
+    assert await index.pick_sized(5, {1: 2}, {1: [0]}) == (None, {1: 2, 2: 1})
+    assert await index.pick_sized(5, {1: 2, 2: 1, 3: 4}, {1: [0]}) == (None, {1: 2, 2: 1})
+    await index.apply(5, [(13, 1)])
+    assert await index.pick_sized(5, {1: 2, 2: 1}, {1: [0]}) == (None, {1: 3, 2: 1})
+    assert await index.pick_sized(5, {1: 3, 2: 1}, {1: [2, 0]}) == ({1: [13, 10]}, {1: 3, 2: 1})
+    await index.apply(5, [(12, None)])  # bucket 2 emptied
+    assert await index.pick_sized(5, {1: 3, 2: 1}, {2: [0]}) == (None, {1: 3})
+    assert await index.pick_sized(5, {1: 3}, {1: [1]}) == ({1: [11]}, {1: 3})
+    assert await index.replace(6, {}) and await index.pick_sized(6, {}, {}) == ({}, {})  # loaded, empty
+    assert await index.pick_sized(6, {1: 1}, {1: [0]}) == (None, {})
+    await index.drop(5)
+    assert await index.pick_sized(5, {1: 3}, {1: [0]}) == (None, None)
+
+
 async def test_many_moves_in_one_apply_leave_each_question_in_its_last_bucket(index: Any) -> None:
     """More moves than one script call takes (Redis applies them 1,000 at a time), a question moved
     more than once in one write, and removals: each question ends where its last move put it."""

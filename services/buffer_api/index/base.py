@@ -46,6 +46,13 @@ class BucketIndex(Protocol):
     async def pick(self, scope: int, ranks: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
         """Question ids at the given ranks (0-based, ascending id order) of each bucket."""
 
+    async def pick_sized(
+        self, scope: int, sizes: Mapping[int, int], ranks: Mapping[int, Sequence[int]]
+    ) -> tuple[dict[int, list[int]] | None, dict[int, int] | None]:
+        """`pick`, if the scope is loaded and its non-empty buckets have exactly these `sizes` (the
+        ones the ranks were drawn from): (the picks, the sizes). Else (None, the sizes now), or
+        (None, None) for a scope not loaded. One read: sizes, marker and picks seen together."""
+
     async def is_loaded(self, scope: int) -> bool:
         """Whether `scope` was built since the index was last emptied."""
 

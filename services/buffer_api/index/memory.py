@@ -74,6 +74,16 @@ class MemoryIndex:
             out[b] = [members[int(r)] for r in rs if int(r) < len(members)]
         return out
 
+    async def pick_sized(
+        self, scope: int, sizes: Mapping[int, int], ranks: Mapping[int, Sequence[int]]
+    ) -> tuple[dict[int, list[int]] | None, dict[int, int] | None]:
+        if scope not in self._loaded:
+            return None, None
+        now = await self.sizes(scope)
+        if now != {b: n for b, n in sizes.items() if n}:
+            return None, now
+        return await self.pick(scope, ranks), now
+
     async def is_loaded(self, scope: int) -> bool:
         return scope in self._loaded
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -136,6 +137,34 @@ end
 return out
 """
 
+# KEYS[1] loaded, KEYS[2] bk; ARGV[1] bucket key prefix, ARGV[2] the sizes the ranks were drawn
+# from, "b n b n ...", ARGV[3] the ranks as `_PICK` takes them. Answers nil (not loaded), {0, the
+# non-empty buckets and their sizes now, flat} when they are not exactly ARGV[2], else {1, picks}
+_PICK_SIZED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local expected, count, bucket = {}, 0, nil
+for word in string.gmatch(ARGV[2], '%S+') do
+  if bucket == nil then
+    bucket = word
+  else
+    expected[bucket] = tonumber(word)
+    count = count + 1
+    bucket = nil
+  end
+end
+local sizes, same, seen = {}, true, 0
+for _, b in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local n = redis.call('ZCARD', ARGV[1] .. b)
+  if n > 0 then
+    sizes[#sizes + 1] = b
+    sizes[#sizes + 1] = n
+    seen = seen + 1
+    if expected[b] ~= n then same = false end
+  end
+end
+if not same or seen ~= count then return {0, sizes} end
+""" + _PICK.replace("ARGV[2]", "ARGV[3]").replace("return out", "return {1, out}")
+
 _CHUNK = 5000
 #: moves per script call (Redis runs a script alone: this bounds how long one call holds it)
 _MOVES_PER_CALL = 1000
@@ -156,6 +185,7 @@ class RedisIndex:
         self._drop = client.register_script(_DROP)
         self._loaded_sizes = client.register_script(_LOADED_SIZES)
         self._pick = client.register_script(_PICK)
+        self._pick_sized = client.register_script(_PICK_SIZED)
 
     def _k(self, scope: int, suffix: str) -> str:
         return f"{self._prefix}:idx:{scope}:{suffix}"
@@ -245,20 +275,30 @@ class RedisIndex:
     async def pick(self, scope: int, ranks: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
         """One trip: a script reads every rank (a pipeline of one ZRANGE per rank costs the client
         three times as much)."""
-        out: dict[int, list[int]] = {b: [] for b in ranks}
-        pairs: list[str] = []
-        order: list[int] = []
-        for bucket, rs in ranks.items():
-            for r in rs:
-                pairs.append(f"{int(bucket)} {int(r)}")
-                order.append(bucket)
+        text, order = _packed(ranks)
         if not order:
-            return out
-        replies = await self._pick(keys=[], args=[self._k(scope, "b:"), " ".join(pairs)])
-        for bucket, reply in zip(order, replies, strict=True):
-            if reply:
-                out[bucket].append(int(reply))
-        return out
+            return {b: [] for b in ranks}
+        replies = await self._pick(keys=[], args=[self._k(scope, "b:"), text])
+        return _picked(ranks, order, replies)
+
+    async def pick_sized(
+        self, scope: int, sizes: Mapping[int, int], ranks: Mapping[int, Sequence[int]]
+    ) -> tuple[dict[int, list[int]] | None, dict[int, int] | None]:
+        """One trip: a script checks the marker and every bucket's size, and picks if they are
+        the ones given."""
+        known = {int(b): int(n) for b, n in sizes.items() if n}
+        text, order = _packed(ranks)
+        reply = await self._pick_sized(
+            keys=[self._k(scope, "loaded"), self._k(scope, "bk")],
+            args=[self._k(scope, "b:"), " ".join(f"{b} {n}" for b, n in known.items()), text],
+        )
+        if reply is None:
+            return None, None
+        same, body = reply
+        if not int(same):
+            flat = [int(x) for x in body]
+            return None, dict(sorted(zip(flat[::2], flat[1::2], strict=True)))
+        return _picked(ranks, order, body), known
 
     async def is_loaded(self, scope: int) -> bool:
         return bool(await self._r.exists(self._k(scope, "loaded")))
@@ -281,3 +321,25 @@ class RedisIndex:
 
     async def close(self) -> None:
         await self._r.aclose()
+
+
+def _packed(ranks: Mapping[int, Sequence[int]]) -> tuple[str, list[int]]:
+    """The ranks as the pick scripts take them ("b r b r ..."), and the bucket of each."""
+    pairs: list[str] = []
+    order: list[int] = []
+    for bucket, rs in ranks.items():
+        for r in rs:
+            pairs.append(f"{int(bucket)} {int(r)}")
+            order.append(bucket)
+    return " ".join(pairs), order
+
+
+def _picked(
+    ranks: Mapping[int, Sequence[int]], order: list[int], replies: Sequence[Any]
+) -> dict[int, list[int]]:
+    """A pick script's replies by bucket ('' where a bucket had no such rank: it shrank)."""
+    out: dict[int, list[int]] = {b: [] for b in ranks}
+    for bucket, reply in zip(order, replies, strict=True):
+        if reply:
+            out[bucket].append(int(reply))
+    return out

@@ -6,7 +6,7 @@ import logging
 import secrets
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from exgrpo_client import schemas as s
 from exgrpo_pool.domain import (
+    Draw,
     ExperienceRules,
     compose_batch,
     epoch_order,
@@ -93,12 +94,52 @@ async def rebuild_index(ctx: Context, session: AsyncSession, scope: int) -> int:
 async def index_sizes(ctx: Context, session: AsyncSession, scope: int) -> dict[int, int]:
     """The scope's bucket sizes: one index call when the scope is loaded, a rebuild and one more
     call when it is stale or not loaded."""
-    if scope not in ctx.stale_scopes:
-        sizes = await ctx.index.loaded_sizes(scope)
-        if sizes is not None:
-            return sizes
-    await rebuild_index(ctx, session, scope)
-    return await ctx.index.sizes(scope)
+    sizes = None if scope in ctx.stale_scopes else await ctx.index.loaded_sizes(scope)
+    if sizes is None:
+        await rebuild_index(ctx, session, scope)
+        sizes = await ctx.index.sizes(scope)
+    ctx.known_sizes[scope] = sizes
+    return sizes
+
+
+#: checked picks a selection tries (each read brings the sizes now) before it picks unchecked
+SIZED_ATTEMPTS = 3
+
+
+async def _select_draws(
+    ctx: Context,
+    session: AsyncSession,
+    scope: int,
+    n: int,
+    rules: ExperienceRules,
+    rng: Callable[[], np.random.Generator],
+) -> tuple[dict[int, int], list[Draw], dict[int, list[int]]]:
+    """A selection's sizes, draws and picked ids, in one trip to the index when the scope's sizes
+    are those last read here: the draws are made from them and `pick_sized` checks them as it
+    picks; sizes out of date come back instead and the draws are made again from them (`rng` gives
+    the generator afresh, so the draws are those of a selection that read them first). A scope not
+    loaded or stale here, or one that keeps changing, goes the way a plan goes (`index_sizes`)."""
+    known = None if scope in ctx.stale_scopes else ctx.known_sizes.get(scope, {})
+    for _ in range(SIZED_ATTEMPTS if known is not None else 0):
+        assert known is not None
+        draws = sample_replay(known, n, rules, rng())
+        ids, now = await ctx.index.pick_sized(scope, known, _ranks(draws))
+        if now is None:
+            ctx.known_sizes.pop(scope, None)
+            break
+        ctx.known_sizes[scope] = known = now
+        if ids is not None:
+            return known, draws, ids
+    sizes = await index_sizes(ctx, session, scope)
+    draws = sample_replay(sizes, n, rules, rng())
+    return sizes, draws, await ctx.index.pick(scope, _ranks(draws))
+
+
+def _ranks(draws: Sequence[Draw]) -> dict[int, list[int]]:
+    ranks: dict[int, list[int]] = {}
+    for d in draws:
+        ranks.setdefault(d.bucket, []).append(d.index)
+    return ranks
 
 
 async def _apply_moves(ctx: Context, scope: int, applied: Applied) -> None:
@@ -211,42 +252,47 @@ class _Pick:
         )
 
 
+async def _draw_replay(
+    ctx: Context, scope: int, sizes: dict[int, int], n: int, rules: ExperienceRules, rng: np.random.Generator
+) -> tuple[list[Draw], dict[int, list[int]]]:
+    """A plan's draws from the sizes it read, and the ids the index picks for them."""
+    draws = sample_replay(sizes, n, rules, rng)
+    return draws, await ctx.index.pick(scope, _ranks(draws))
+
+
 async def _pick_replay(
     ctx: Context,
     session: AsyncSession,
     scopes: RunScopes,
     sizes: dict[int, int],
-    n: int,
+    drawn: tuple[list[Draw], dict[int, list[int]]],
     rules: ExperienceRules,
-    rng: np.random.Generator,
     mode: s.CandidateMode,
     step: int,
 ) -> tuple[list[_Pick], dict[int, Row[Any]]]:
     """The replayed questions, each with its candidates' ids, and the candidates' rows as read:
     with their payloads when every candidate goes out (`all`), else without (`_replay_items` reads
-    the payloads of the chosen ones by id). `step`: the run's current step; with
+    the payloads of the chosen ones by id). `drawn`: the draws from `sizes` and the ids the index
+    picked for them (`_draw_replay`, `_select_draws`). `step`: the run's current step; with
     `rules.max_replay_age` a trajectory collected more than that many steps before it is no
     candidate, and a question left without one is dropped like a vanished pick."""
     scope = scopes.state
-    draws = sample_replay(sizes, n, rules, rng)
-    ranks: dict[int, list[int]] = {}
-    for d in draws:
-        ranks.setdefault(d.bucket, []).append(d.index)
-    ids = await ctx.index.pick(scope, ranks)
+    draws, ids = drawn
     picks: list[_Pick] = []
-    cursor = dict.fromkeys(ranks, 0)
+    cursor: dict[int, int] = {}
     for d in draws:
         members = ids[d.bucket]
-        if cursor[d.bucket] < len(members):
+        at = cursor.get(d.bucket, 0)
+        if at < len(members):
             picks.append(
                 _Pick(
-                    question_id=int(members[cursor[d.bucket]]),
+                    question_id=int(members[at]),
                     bucket=int(d.bucket),
                     # the question's: its bucket's, shared by the bucket's questions (uniform within)
                     probability=float(d.probability / sizes[d.bucket]),
                 )
             )
-        cursor[d.bucket] += 1
+        cursor[d.bucket] = at + 1
     # the database is the source of truth: drop picks a concurrent writer retired meanwhile
     states = await repo.get_states(session, scope, [p.question_id for p in picks])
     valid = [p for p in picks if (st := states.get(p.question_id)) is not None and not st[1] and st[0]]
@@ -441,10 +487,10 @@ async def plan_batch(
         comp = compose_batch(sum(sizes.values()), rules, phase=phase)
         drawn = await _draw_fresh(ctx, session, pool, run, rules, scope, experience=experience)
         fresh = [int(q) for q in drawn[: rules.batch_size - comp.num_replay]]
-        rng = make_rng(run.seed, step, "replay")
-        picks, rows = await _pick_replay(
-            ctx, session, scopes, sizes, comp.num_replay, rules, rng, req.candidates, run.step
+        replay = await _draw_replay(
+            ctx, scope, sizes, comp.num_replay, rules, make_rng(run.seed, step, "replay")
         )
+        picks, rows = await _pick_replay(ctx, session, scopes, sizes, replay, rules, req.candidates, run.step)
         # a pick can vanish (stale index); its slot goes to the next loader-drawn question
         fill = rules.batch_size - len(fresh) - len(picks)
         if fill > 0:
@@ -712,19 +758,13 @@ async def select_replay(ctx: Context, pool_name: str, run_name: str, req: s.Sele
     async with ctx.db.read() as session:
         pool, run = await read_run(session, pool_name, run_name)
         scopes = scopes_of(pool, run)
-        sizes = await index_sizes(ctx, session, scopes.state)
         seed = secrets.randbits(63) if req.seed is None else req.seed
         rules = rules_for(pool, run)
+        sizes, draws, ids = await _select_draws(
+            ctx, session, scopes.state, req.n, rules, lambda: make_rng(run.seed, seed, "select")
+        )
         picks, rows = await _pick_replay(
-            ctx,
-            session,
-            scopes,
-            sizes,
-            req.n,
-            rules,
-            make_rng(run.seed, seed, "select"),
-            req.candidates,
-            run.step,
+            ctx, session, scopes, sizes, (draws, ids), rules, req.candidates, run.step
         )
         items, payloads = await _replay_items(session, picks, rules.k, rows=rows, run=run)
     ctx.metrics.replay_picks.labels(pool.name).inc(len(items))

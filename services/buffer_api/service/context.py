@@ -24,3 +24,6 @@ class Context:
     epoch_cache: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     #: scopes whose index missed a change (Redis unreachable after a commit): rebuilt on next use
     stale_scopes: set[int] = field(default_factory=set)
+    #: scope -> its bucket sizes as last read here: a selection draws from them and the index's
+    #: `pick_sized` checks them in the same trip as the picks (`batches._select_draws`)
+    known_sizes: dict[int, dict[int, int]] = field(default_factory=dict)
