@@ -163,15 +163,17 @@ async def test_a_select_of_a_scope_unchanged_since_it_was_sized_takes_one_redis_
     backend: Backend,
 ) -> None:
     """A replica keeps the bucket sizes it last read per scope and draws from them: the pick's
-    script checks them against the scope (and that it is loaded) and picks in the same trip. Sizes
-    out of date come back instead of picks, and the draws are made again from them: the answer is
-    the one drawn from sizes read afresh, either way."""
+    script checks them against the scope (and that it is loaded) and picks in the same trip. Its
+    own write drops them; another replica's write is found in that trip (sizes come back instead of
+    picks, the draws are made again from them), and the scope's selections read the sizes first
+    until they are found unchanged. The answer is the one drawn from sizes read afresh, always."""
     async with _serve(backend) as (client, ctx):
         await setup_pool(client, questions=64, phase="mixed")
         for _ in range(3):
             plan = await plan_batch(client)
             ok(await commit_batch(client, plan, make_groups(plan, correct_first(lambda q: 2))))
-        trips = _record(ctx).trips
+        rec = _record(ctx)
+        trips = rec.trips
         ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 1}))
         del trips[:]
         again = ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 2}))
@@ -179,16 +181,43 @@ async def test_a_select_of_a_scope_unchanged_since_it_was_sized_takes_one_redis_
         ctx.known_sizes.clear()  # what a replica that never sized the scope answers
         assert ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 2})) == again
 
-        plan = await plan_batch(client)  # a commit moves questions between buckets
+        # this replica's own commit moves questions between buckets: the sizes it knew are dropped,
+        # so the next selection's first trip reads the sizes only (nothing drawn in vain)
+        plan = await plan_batch(client)
         ok(await commit_batch(client, plan, make_groups(plan, correct_first(lambda q: 2))))
-        del trips[:]
+        del trips[:], rec.sent[:]
         changed = ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 3}))
-        assert len(trips) <= 2, trips  # sizes out of date: they came back, the picks a trip later
+        assert len(trips) == 2 and rec.sent[0][-2:] == ("", ""), rec.sent
         ctx.known_sizes.clear()
         assert ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 3})) == changed
         del trips[:]
         ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 4}))
         assert len(trips) == 1, trips
+
+        # another replica's commit: the sizes known here are found out of date in the same trip as
+        # the picks; they come back, and the questions are drawn again from them and picked
+        async with _serve(backend) as (other, _):
+            plan = await plan_batch(other)
+            ok(await commit_batch(other, plan, make_groups(plan, correct_first(lambda q: 2))))
+        del trips[:], rec.sent[:]
+        moved = ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 5}))
+        assert len(trips) == 2 and rec.sent[0][-1] != "", rec.sent  # ranks sent: drawn from known sizes
+        ctx.known_sizes.clear()
+        assert ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 5})) == moved
+        # a draw made in vain: until its sizes are found unchanged, the scope's selections read them
+        # first (nothing drawn before), however often the other replica writes; then quiet again
+        async with _serve(backend) as (other, _):
+            for seed in (6, 7, 8):
+                plan = await plan_batch(other)
+                ok(await commit_batch(other, plan, make_groups(plan, correct_first(lambda q: 2))))
+                del trips[:], rec.sent[:]
+                ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": seed}))
+                in_vain = rec.sent[0][-1] != ""  # ranks sent with the check
+                assert len(trips) == 2 and in_vain == (seed == 6), rec.sent
+        for expected in (2, 1):  # sizes first, found unchanged: quiet again, one trip
+            del trips[:], rec.sent[:]
+            ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 8, "seed": 9}))
+            assert len(trips) == expected and (expected == 1 or rec.sent[0][-1] == ""), rec.sent
 
 
 @pytest.mark.parametrize("backend", ["postgres-redis"], indirect=True)
@@ -201,6 +230,7 @@ async def test_a_pick_sends_its_ranks_as_one_argument(backend: Backend) -> None:
         for _ in range(3):
             plan = await plan_batch(client)
             ok(await commit_batch(client, plan, make_groups(plan, correct_first(lambda q: 2))))
+        ok(await client.post("/v1/pools/p1/runs/r1/select", json={"n": 1, "seed": 4}))  # sizes known
         sizes: list[int] = []
         for n in (2, 12):
             rec = _record(ctx)

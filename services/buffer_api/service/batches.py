@@ -29,7 +29,7 @@ from exgrpo_pool.domain import (
 )
 from exgrpo_pool.errors import BadRequest, Conflict, NotFound
 from exgrpo_pool.index.base import Move, RebuildLost
-from exgrpo_pool.service.context import Context
+from exgrpo_pool.service.context import Context, KnownSizes
 from exgrpo_pool.service.convert import (
     COMMIT_DIGEST,
     Answer,
@@ -98,12 +98,9 @@ async def index_sizes(ctx: Context, session: AsyncSession, scope: int) -> dict[i
     if sizes is None:
         await rebuild_index(ctx, session, scope)
         sizes = await ctx.index.sizes(scope)
-    ctx.known_sizes[scope] = sizes
+    known = ctx.known_sizes.get(scope)
+    ctx.known_sizes[scope] = KnownSizes(sizes, True if known is None else known.quiet)
     return sizes
-
-
-#: checked picks a selection tries (each read brings the sizes now) before it picks unchecked
-SIZED_ATTEMPTS = 3
 
 
 async def _select_draws(
@@ -114,22 +111,30 @@ async def _select_draws(
     rules: ExperienceRules,
     rng: Callable[[], np.random.Generator],
 ) -> tuple[dict[int, int], list[Draw], dict[int, list[int]]]:
-    """A selection's sizes, draws and picked ids, in one trip to the index when the scope's sizes
-    are those last read here: the draws are made from them and `pick_sized` checks them as it
-    picks; sizes out of date come back instead and the draws are made again from them (`rng` gives
-    the generator afresh, so the draws are those of a selection that read them first). A scope not
-    loaded or stale here, or one that keeps changing, goes the way a plan goes (`index_sizes`)."""
-    known = None if scope in ctx.stale_scopes else ctx.known_sizes.get(scope, {})
-    for _ in range(SIZED_ATTEMPTS if known is not None else 0):
-        assert known is not None
-        draws = sample_replay(known, n, rules, rng())
-        ids, now = await ctx.index.pick_sized(scope, known, _ranks(draws))
-        if now is None:
-            ctx.known_sizes.pop(scope, None)
-            break
-        ctx.known_sizes[scope] = known = now
-        if ids is not None:
-            return known, draws, ids
+    """A selection's sizes, draws and picked ids. While the scope looks quiet and this replica knows
+    its sizes (`KnownSizes`), one trip to the index: the draws are made from them and `pick_sized`
+    checks them as it picks. Else two, as a plan's: the sizes (checked against those known, to find
+    the scope quiet again), then the picks. Sizes found out of date by the one-trip way come back
+    instead of picks; the draws are made again from them, picked, and the scope no longer looks
+    quiet. `rng` gives the generator afresh: the draws are those of sizes read first, either way.
+    A scope not loaded, or stale here, is rebuilt first (`index_sizes`)."""
+    known = None if scope in ctx.stale_scopes else ctx.known_sizes.get(scope) or KnownSizes(None)
+    if known is not None:
+        if known.sizes is not None and known.quiet:
+            draws = sample_replay(known.sizes, n, rules, rng()) if known.sizes else []
+            ids, now = await ctx.index.pick_sized(scope, known.sizes, _ranks(draws))
+            if ids is not None:
+                ctx.known_sizes[scope] = known
+                return known.sizes, draws, ids
+            quiet = False
+        else:
+            ids, now = await ctx.index.pick_sized(scope, known.sizes or {}, {})
+            quiet = known.quiet if known.sizes is None else ids is not None
+        if now is not None:
+            ctx.known_sizes[scope] = KnownSizes(now, quiet)
+            draws = sample_replay(now, n, rules, rng()) if now else []
+            return now, draws, await ctx.index.pick(scope, _ranks(draws))
+        ctx.known_sizes.pop(scope, None)
     sizes = await index_sizes(ctx, session, scope)
     draws = sample_replay(sizes, n, rules, rng())
     return sizes, draws, await ctx.index.pick(scope, _ranks(draws))
@@ -154,6 +159,10 @@ async def _follow(ctx: Context, scope: int, moves: list[Move]) -> None:
     and rebuilt from the database on its next use."""
     try:
         await ctx.index.apply(scope, moves)
+        # the sizes known here are out of date (forgotten after the moves: a selection meanwhile
+        # may have read them as they were before)
+        if moves and (known := ctx.known_sizes.get(scope)) is not None:
+            known.sizes = None
         return
     except Exception:
         log.warning("index update failed; scope %s will be rebuilt", scope, exc_info=True)

@@ -13,6 +13,17 @@ from exgrpo_pool.metrics import Metrics
 from exgrpo_pool.store.db import Database
 
 
+@dataclass(slots=True)
+class KnownSizes:
+    """A scope's bucket sizes as this replica last read them (None: its own write moved them since)
+    and whether the scope looked quiet then: while it does, a selection draws from these sizes and
+    the index checks them in the same trip as the picks; once another replica's write is found that
+    way (a draw made in vain), a selection reads the sizes first until they are found unchanged."""
+
+    sizes: dict[int, int] | None
+    quiet: bool = True
+
+
 @dataclass
 class Context:
     settings: Settings
@@ -24,6 +35,6 @@ class Context:
     epoch_cache: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     #: scopes whose index missed a change (Redis unreachable after a commit): rebuilt on next use
     stale_scopes: set[int] = field(default_factory=set)
-    #: scope -> its bucket sizes as last read here: a selection draws from them and the index's
-    #: `pick_sized` checks them in the same trip as the picks (`batches._select_draws`)
-    known_sizes: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: scope -> its bucket sizes as last read here, for a selection to draw from
+    #: (`batches._select_draws`)
+    known_sizes: dict[int, KnownSizes] = field(default_factory=dict)
