@@ -94,13 +94,20 @@ async def rebuild_index(ctx: Context, session: AsyncSession, scope: int) -> int:
 async def index_sizes(ctx: Context, session: AsyncSession, scope: int) -> dict[int, int]:
     """The scope's bucket sizes: one index call when the scope is loaded, a rebuild and one more
     call when it is stale or not loaded."""
+    entry = ctx.known_sizes.get(scope)
     sizes = None if scope in ctx.stale_scopes else await ctx.index.loaded_sizes(scope)
     if sizes is None:
         await rebuild_index(ctx, session, scope)
         sizes = await ctx.index.sizes(scope)
-    known = ctx.known_sizes.get(scope)
-    ctx.known_sizes[scope] = KnownSizes(sizes, True if known is None else known.quiet)
+    _know(ctx, scope, entry, KnownSizes(sizes, True if entry is None else entry.quiet))
     return sizes
+
+
+def _know(ctx: Context, scope: int, entry: KnownSizes | None, new: KnownSizes) -> None:
+    """Keep `new` for the scope unless its entry changed from `entry` while it was read (a write
+    moved the sizes meanwhile: what was read may be from before)."""
+    if ctx.known_sizes.get(scope) is entry:
+        ctx.known_sizes[scope] = new
 
 
 async def _select_draws(
@@ -118,23 +125,24 @@ async def _select_draws(
     instead of picks; the draws are made again from them, picked, and the scope no longer looks
     quiet. `rng` gives the generator afresh: the draws are those of sizes read first, either way.
     A scope not loaded, or stale here, is rebuilt first (`index_sizes`)."""
-    known = None if scope in ctx.stale_scopes else ctx.known_sizes.get(scope) or KnownSizes(None)
-    if known is not None:
+    entry = ctx.known_sizes.get(scope)
+    if scope not in ctx.stale_scopes:
+        known = entry or KnownSizes(None)
         if known.sizes is not None and known.quiet:
             draws = sample_replay(known.sizes, n, rules, rng()) if known.sizes else []
             ids, now = await ctx.index.pick_sized(scope, known.sizes, _ranks(draws))
             if ids is not None:
-                ctx.known_sizes[scope] = known
                 return known.sizes, draws, ids
             quiet = False
         else:
             ids, now = await ctx.index.pick_sized(scope, known.sizes or {}, {})
             quiet = known.quiet if known.sizes is None else ids is not None
         if now is not None:
-            ctx.known_sizes[scope] = KnownSizes(now, quiet)
+            _know(ctx, scope, entry, KnownSizes(now, quiet))
             draws = sample_replay(now, n, rules, rng()) if now else []
             return now, draws, await ctx.index.pick(scope, _ranks(draws))
-        ctx.known_sizes.pop(scope, None)
+        if ctx.known_sizes.get(scope) is entry:
+            ctx.known_sizes.pop(scope, None)
     sizes = await index_sizes(ctx, session, scope)
     draws = sample_replay(sizes, n, rules, rng())
     return sizes, draws, await ctx.index.pick(scope, _ranks(draws))
@@ -159,10 +167,11 @@ async def _follow(ctx: Context, scope: int, moves: list[Move]) -> None:
     and rebuilt from the database on its next use."""
     try:
         await ctx.index.apply(scope, moves)
-        # the sizes known here are out of date (forgotten after the moves: a selection meanwhile
-        # may have read them as they were before)
-        if moves and (known := ctx.known_sizes.get(scope)) is not None:
-            known.sizes = None
+        # the sizes known here are out of date (forgotten after the moves, and the entry replaced:
+        # a read meanwhile may have seen them as they were before, and keeps nothing)
+        if moves:
+            known = ctx.known_sizes.get(scope)
+            ctx.known_sizes[scope] = KnownSizes(None, True if known is None else known.quiet)
         return
     except Exception:
         log.warning("index update failed; scope %s will be rebuilt", scope, exc_info=True)

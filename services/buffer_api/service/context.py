@@ -13,12 +13,14 @@ from exgrpo_pool.metrics import Metrics
 from exgrpo_pool.store.db import Database
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class KnownSizes:
     """A scope's bucket sizes as this replica last read them (None: its own write moved them since)
     and whether the scope looked quiet then: while it does, a selection draws from these sizes and
     the index checks them in the same trip as the picks; once another replica's write is found that
-    way (a draw made in vain), a selection reads the sizes first until they are found unchanged."""
+    way (a draw made in vain), a selection reads the sizes first until they are found unchanged.
+    Replaced, never changed: a reader that awaited the index stores what it read only if the entry
+    is still the one it started from (a write's `batches._follow` replaces it meanwhile)."""
 
     sizes: dict[int, int] | None
     quiet: bool = True
