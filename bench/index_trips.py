@@ -15,7 +15,9 @@ draws ``--n`` questions (the spec's sampler, seeded) and picks them:
   them (in vain), the sizes it answers, then `pick`, as the first selection after another
   replica's commit on a quiet scope does.
 
-Rounds alternate the four; wall time and this thread's CPU per selection are taken per round and
+and ``the draw alone``: the sampler's draws with a fresh generator, no trip (part of every way).
+
+Rounds alternate the five; wall time and this thread's CPU per selection are taken per round and
 the medians printed. Every way picks the same questions (checked before timing).
 
     .venv/bin/python bench/index_trips.py [--redis redis://127.0.0.1:6379/0] [--buckets 7]
@@ -90,14 +92,19 @@ async def main() -> None:
             assert ids is None and now is not None
             return await index.pick(SCOPE, _ranks(draws(now)))
 
+        async def draw_alone() -> dict[int, list[int]]:
+            return _ranks(draws(known))
+
         ways: dict[str, Callable[[], Awaitable[dict[int, list[int]]]]] = {
             "two trips (sizes, then picks)": two_trips,
             "one trip (sizes known)": one_trip,
             "sizes first (sizes, then picks)": sizes_first,
             "another replica's write (checked, then picks)": other_write,
         }
+        alone = {"the draw alone (no trip)": draw_alone}
         answers = [await way() for way in ways.values()]
         assert all(a == answers[0] for a in answers), "the ways picked unlike"
+        ways.update(alone)
         wall: dict[str, list[float]] = {name: [] for name in ways}
         cpu: dict[str, list[float]] = {name: [] for name in ways}
         for _ in range(opts.rounds):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from typing import Any
 
 import numpy as np
 import pytest
@@ -393,3 +394,42 @@ def test_make_rng_rejects_no_keys_and_unsupported_key_types() -> None:
         make_rng(True)
     with pytest.raises(TypeError, match="int or str"):
         make_rng(1.5)  # type: ignore[arg-type]  # a float seed on purpose
+
+
+# --------------------------------------------------------------------------- the stream, pinned
+#: Draws of seeded samplings as the sampler gave them before it was made faster (2026-12-06): a
+#: plan's or a selection's questions must not change between releases for the same seed, sizes
+#: and rules (a run is reproducible, and replicas of two releases pick alike).
+# fmt: off
+PINNED: list[tuple[dict[str, object], dict[int, int], int, tuple[int | str, ...], list[tuple[int, int]]]] = [
+    ({"k": 8}, {1: 40, 2: 7, 3: 120, 5: 2, 6: 900, 7: 15}, 24, ("run", 3, "replay"),
+     [(2, 4), (3, 4), (3, 11), (3, 20), (3, 37), (3, 40), (3, 44), (3, 45), (3, 46), (3, 53), (3, 57),
+      (3, 71), (3, 77), (3, 86), (3, 94), (3, 99), (3, 106), (3, 108), (3, 116), (5, 0), (5, 1),
+      (6, 109), (6, 261), (6, 531)]),
+    ({"k": 8, "weighting": "uniform"}, {1: 3, 4: 50, 7: 9}, 16, (11, "select"),
+     [(1, 2), (4, 1), (4, 2), (4, 3), (4, 11), (4, 14), (4, 16), (4, 17), (4, 18), (4, 22), (4, 26),
+      (4, 32), (4, 42), (4, 49), (7, 6), (7, 7)]),
+    # more asked of the small buckets than they hold: the excess goes round
+    ({"k": 8, "weighting": "linear_clip"}, {2: 1, 4: 1, 5: 2, 6: 30}, 20, (5, 9, "replay"),
+     [(2, 0), (4, 0), (5, 0), (5, 1), (6, 1), (6, 5), (6, 6), (6, 7), (6, 8), (6, 10), (6, 12),
+      (6, 16), (6, 18), (6, 20), (6, 21), (6, 22), (6, 25), (6, 26), (6, 28), (6, 29)]),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(("rules", "sizes", "n", "key", "expected"), PINNED)
+def test_the_seeded_stream_is_the_one_pinned(
+    rules: dict[str, Any],
+    sizes: dict[int, int],
+    n: int,
+    key: tuple[int | str, ...],
+    expected: list[tuple[int, int]],
+) -> None:
+    r = ExperienceRules(**rules)
+    draws = sample_replay(sizes, n, r, make_rng(*key))
+    assert [(d.bucket, d.index) for d in draws] == expected
+    probs = bucket_probs(sorted(b for b, v in sizes.items() if v), r)
+    total = sum(sizes.values())
+    for d in draws:
+        want = sizes[d.bucket] / total if r.weighting == "uniform" else probs[d.bucket]
+        assert d.probability == want and type(d.bucket) is int and type(d.index) is int

@@ -22,6 +22,8 @@ from .rules import ExperienceRules
 
 
 def _as_count(value: object, what: str) -> int:
+    if type(value) is int and value >= 0:  # the common case, without the ABC check
+        return value
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise ValueError(f"{what} must be an integer, got {value!r}")
     if value < 0:
@@ -30,6 +32,8 @@ def _as_count(value: object, what: str) -> int:
 
 
 def _bucket_key(key: object) -> int:
+    if type(key) is int:
+        return key
     if not isinstance(key, numbers.Integral) or isinstance(key, bool):
         raise ValueError(f"bucket key must be an integer, got {key!r}")
     return int(key)
@@ -89,7 +93,11 @@ def allocate_counts(
         raise ValueError("probs must be finite and >= 0")
     if int(c.sum()) > int(s.sum()):
         raise ValueError(f"cannot place {int(c.sum())} draws in buckets holding {int(s.sum())} questions")
+    return _allocate(c, s, p, rng)
 
+
+def _allocate(c: np.ndarray, s: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> list[int]:
+    """`allocate_counts` on inputs it has checked (int64 counts and sizes, float64 probabilities)."""
     adj = np.minimum(c, s)
     excess = int(c.sum() - adj.sum())
     while excess > 0:
@@ -125,10 +133,26 @@ def sample_bucket_counts(
         ascending key order, so the mapping's own order does not affect the result.
     """
     n = _as_count(n, "n")
-    items = sorted((_bucket_key(k), _as_count(v, f"size of bucket {k}")) for k, v in sizes.items())
-    items = [(k, v) for k, v in items if v > 0]
+    counts, _ = _bucket_counts(_checked_sizes(sizes), n, rules, rng)
+    return counts
+
+
+def _checked_sizes(sizes: Mapping[int, int]) -> dict[int, int]:
+    """`sizes` with every key and size checked (integers, sizes >= 0), as plain ints."""
+    out: dict[int, int] = {}
+    for k, v in sizes.items():
+        key = _bucket_key(k)
+        out[key] = v if type(v) is int and v >= 0 else _as_count(v, f"size of bucket {k}")
+    return out
+
+
+def _bucket_counts(
+    sizes: dict[int, int], n: int, rules: ExperienceRules, rng: np.random.Generator
+) -> tuple[dict[int, int], dict[int, float]]:
+    """`sample_bucket_counts` on checked sizes, with the non-empty buckets' probabilities."""
+    items = sorted((k, v) for k, v in sizes.items() if v > 0)
     if not items:
-        return {}
+        return {}, {}
     keys = [k for k, _ in items]
     sz = np.array([v for _, v in items], dtype=np.int64)
     n = min(n, int(sz.sum()))
@@ -137,8 +161,9 @@ def sample_bucket_counts(
         counts = [int(x) for x in rng.multivariate_hypergeometric(sz, n)]
     else:
         pv = [probs[k] for k in keys]
-        counts = allocate_counts(rng.multinomial(n, pv), sz, pv, rng)
-    return dict(zip(keys, counts, strict=True))
+        multinomial = rng.multinomial(n, pv)
+        counts = _allocate(multinomial.astype(np.int64, copy=True), sz, np.asarray(pv, dtype=np.float64), rng)
+    return dict(zip(keys, counts, strict=True)), probs
 
 
 def draw_indices(size: int, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -157,6 +182,11 @@ def draw_indices(size: int, count: int, rng: np.random.Generator) -> np.ndarray:
         raise ValueError(f"cannot draw {count} distinct indices from {size}")
     if count == 0:
         return np.empty(0, dtype=np.int64)
+    return _draw_sorted(size, count, rng)
+
+
+def _draw_sorted(size: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """`draw_indices` on a checked `0 < count <= size`."""
     picked = rng.choice(size, size=count, replace=False, shuffle=False)
     return np.sort(np.asarray(picked, dtype=np.int64))
 
@@ -187,21 +217,21 @@ def sample_replay(
     (ascending) and by index inside a bucket; slot order is shuffled later, at batch assembly.
     The result depends only on ``sizes``, ``n``, ``rules`` and the generator's state.
     """
-    sizes = {_bucket_key(k): _as_count(v, f"size of bucket {k}") for k, v in sizes.items()}
-    counts = sample_bucket_counts(sizes, n, rules, rng)
+    checked = _checked_sizes(sizes)
+    counts, probs = _bucket_counts(checked, _as_count(n, "n"), rules, rng)
     if not counts:
         return []
     if rules.weighting == "uniform":
-        total = sum(sizes[k] for k in counts)
-        share = {k: sizes[k] / total for k in counts}
+        total = sum(checked[k] for k in counts)
+        share = {k: checked[k] / total for k in counts}
     else:
-        share = bucket_probs(counts, rules)
+        share = probs  # `bucket_probs` of the same non-empty buckets
     draws: list[Draw] = []
     for k, c in counts.items():
         if c == 0:
             continue
         prob = float(share[k])
-        draws.extend(Draw(bucket=k, index=int(i), probability=prob) for i in draw_indices(sizes[k], c, rng))
+        draws += [Draw(k, i, prob) for i in _draw_sorted(checked[k], c, rng).tolist()]
     return draws
 
 
