@@ -104,8 +104,13 @@ def test_a_grader_calling_math_verify_with_its_own_limits_is_still_stopped() -> 
 
 
 def test_an_interrupt_swallowed_by_a_finalizer_is_repeated(swallowed: list[type[BaseException]]) -> None:
-    assert grade_one(interrupted_inside_a_finalizer, "x", "x", timeout_s=0.2) == TIMEOUT
-    # the scenario happened as designed: the first interrupt was raised inside __del__ and lost there
+    # the first interrupt lands inside __del__ unless this process is held off the CPU for the
+    # limit's 0.2 s before the grader reaches it (then the grade is stopped anyway): a few tries
+    for _ in range(3):
+        assert grade_one(interrupted_inside_a_finalizer, "x", "x", timeout_s=0.2) == TIMEOUT
+        if swallowed:
+            break
+    # the scenario happened as designed: an interrupt was raised inside __del__ and lost there
     assert swallowed and {kind.__name__ for kind in swallowed} == {"GradeTimeout"}
 
 
