@@ -1,0 +1,159 @@
+"""Where an ids-only selection's CPU goes, step by step, against the floor's.
+
+In one process, on a copy of the cached seeded pool (SQLite, or Postgres + Redis; `pool_bench.py`
+seeds it), the service's selection (`batches.select_replay`: the request's model, the service call,
+the answer's JSON) and the floor's (`bench/_floor.py`'s `Floor.select`, its answer's dict) each
+select 64 questions, ids only, `--per-round` times a round, alternating for `--rounds` rounds. The
+event-loop thread's CPU per selection is printed (medians), then each side's steps (their functions
+wrapped, inclusive means per selection; the wrappers cost ~1-2 us a call).
+
+    .venv/bin/python bench/select_steps.py [--backend sqlite|postgres] [--size 10000]
+        [--rounds 10] [--per-round 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _floor
+import _seed
+import pool_bench as pb
+
+from exgrpo_client import schemas as s
+from exgrpo_pool.app import create_app
+from exgrpo_pool.service import batches
+from exgrpo_pool.store import repo
+
+
+class Steps:
+    """Loop-thread CPU per wrapped function, while `on`."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = collections.defaultdict(float)
+        self.on = False
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        fn: Callable[..., Any] = getattr(owner, name)
+        steps = self
+
+        if asyncio.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def timed_async(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.thread_time()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    if steps.on:
+                        steps.cpu[label] += time.thread_time() - t0
+
+            setattr(owner, name, timed_async)
+        else:
+
+            @functools.wraps(fn)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.thread_time()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    if steps.on:
+                        steps.cpu[label] += time.thread_time() - t0
+
+            setattr(owner, name, timed)
+
+
+async def measure(args: argparse.Namespace) -> None:
+    pool, run = _seed.POOL_NAME, _seed.RUN_NAME
+    body = json.dumps({"n": 64, "seed": 3, "candidates": "none"}).encode()
+    service_steps, floor_steps = Steps(), Steps()
+    for name in ("read_run", "_select_draws", "_pick_replay", "_replay_items", "sample_replay"):
+        service_steps.wrap(batches, name, f"batches.{name}")
+    for name in ("get_states", "questions_with_trajectories", "question_prompts"):
+        service_steps.wrap(repo, name, f"repo.{name}")
+    for name in ("_replay", "_states", "_questions"):
+        floor_steps.wrap(_floor.Floor, name, f"Floor.{name}")
+    floor_steps.wrap(_floor, "sample_replay", "sample_replay")
+    async with contextlib.AsyncExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        copy = await stack.enter_async_context(
+            _seed.seeded_copy(
+                args.backend,
+                args.size,
+                pb.CACHE,
+                tmp,
+                "select_steps",
+                pg_dsn=args.pg_dsn,
+                redis_url=args.redis_url,
+            )
+        )
+        app = create_app(copy.settings, freeze_heap=True)
+        await stack.enter_async_context(app.router.lifespan_context(app))
+        ctx = app.state.ctx
+        floor = _floor.Floor(await _floor._connect(copy.url))
+        await floor.load()
+
+        async def service() -> None:
+            with ctx.db.hot():
+                req = s.SelectRequest.model_validate_json(body)
+                (await batches.select_replay(ctx, pool, run, req)).json()
+
+        async def floor_select() -> None:
+            await floor.select(run, json.loads(body))
+
+        sides = {"service": (service, service_steps), "floor": (floor_select, floor_steps)}
+        for fn, _ in sides.values():  # warm-up: the scope's sizes known, the statements prepared
+            for _ in range(50):
+                await fn()
+        cpu: dict[str, list[float]] = {side: [] for side in sides}
+        for r in range(args.rounds):
+            for side in list(sides)[:: 1 if r % 2 else -1]:
+                fn, steps = sides[side]
+                steps.on = True
+                t0 = time.thread_time()
+                for _ in range(args.per_round):
+                    await fn()
+                cpu[side].append((time.thread_time() - t0) / args.per_round * 1e6)
+                steps.on = False
+    total = args.rounds * args.per_round
+    what = "SQLite" if args.backend == "sqlite" else "Postgres + Redis"
+    print(f"\n{what}, {args.size:,} questions, ids-only selection of 64, loop-thread CPU us per selection\n")
+    print("| side | CPU (median of rounds) |")
+    print("|---|---:|")
+    for side, values in cpu.items():
+        print(f"| {side} | {statistics.median(values):.0f} |")
+    print("\n| side | step (inclusive) | us |")
+    print("|---|---|---:|")
+    for side, (_, steps) in sides.items():
+        for label, seconds in sorted(steps.cpu.items(), key=lambda kv: -kv[1]):
+            print(f"| {side} | {label} | {seconds / total * 1e6:.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=int, default=10_000)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--per-round", type=int, default=100)
+    ap.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
+    ap.add_argument(
+        "--pg-dsn", default=os.environ.get("BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432")
+    )
+    ap.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    asyncio.run(measure(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
