@@ -98,6 +98,24 @@ async def _trivial(_scope: dict[str, Any], _receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"{}"})
 
 
+async def started(
+    stack: contextlib.AsyncExitStack, args: argparse.Namespace, tag: str
+) -> tuple[Any, _floor.Floor]:
+    """The service's app (its lifespan entered) and the floor, each on its own copy of the cached
+    seeded pool of `args.backend` and `args.size`, closed with `stack`."""
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    copy = await stack.enter_async_context(
+        _seed.seeded_copy(
+            args.backend, args.size, pb.CACHE, tmp, tag, pg_dsn=args.pg_dsn, redis_url=args.redis_url
+        )
+    )
+    app = create_app(copy.settings, freeze_heap=True)
+    await stack.enter_async_context(app.router.lifespan_context(app))
+    floor = _floor.Floor(await _floor._connect(copy.url))
+    await floor.load()
+    return app, floor
+
+
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     prefix = f"/v1/pools/{_seed.POOL_NAME}"
     pool, run = _seed.POOL_NAME, _seed.RUN_NAME
@@ -111,23 +129,8 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     }
     out: dict[str, dict[str, float]] = {}
     async with contextlib.AsyncExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        copy = await stack.enter_async_context(
-            _seed.seeded_copy(
-                args.backend,
-                args.size,
-                pb.CACHE,
-                tmp,
-                "request_layers",
-                pg_dsn=args.pg_dsn,
-                redis_url=args.redis_url,
-            )
-        )
-        app = create_app(copy.settings, freeze_heap=True)
-        await stack.enter_async_context(app.router.lifespan_context(app))
+        app, floor = await started(stack, args, "request_layers")
         ctx = app.state.ctx
-        floor = _floor.Floor(await _floor._connect(copy.url))
-        await floor.load()
         floor_app = _floor.app_for(floor)
         # the middleware stack over a trivial app where the router was
         bare: Any = app.build_middleware_stack()

@@ -15,96 +15,39 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
-import functools
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _floor
 import _seed
-import pool_bench as pb
+from request_layers import started
+from write_steps import Timer, wrap
 
 from exgrpo_client import schemas as s
-from exgrpo_pool.app import create_app
 from exgrpo_pool.service import batches
 from exgrpo_pool.store import repo
-
-
-class Steps:
-    """Loop-thread CPU per wrapped function, while `on`."""
-
-    def __init__(self) -> None:
-        self.cpu: dict[str, float] = collections.defaultdict(float)
-        self.on = False
-
-    def wrap(self, owner: Any, name: str, label: str) -> None:
-        fn: Callable[..., Any] = getattr(owner, name)
-        steps = self
-
-        if asyncio.iscoroutinefunction(fn):
-
-            @functools.wraps(fn)
-            async def timed_async(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.thread_time()
-                try:
-                    return await fn(*args, **kwargs)
-                finally:
-                    if steps.on:
-                        steps.cpu[label] += time.thread_time() - t0
-
-            setattr(owner, name, timed_async)
-        else:
-
-            @functools.wraps(fn)
-            def timed(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.thread_time()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    if steps.on:
-                        steps.cpu[label] += time.thread_time() - t0
-
-            setattr(owner, name, timed)
 
 
 async def measure(args: argparse.Namespace) -> None:
     pool, run = _seed.POOL_NAME, _seed.RUN_NAME
     body = json.dumps({"n": 64, "seed": 3, "candidates": "none"}).encode()
-    service_steps, floor_steps = Steps(), Steps()
+    service_steps, floor_steps = Timer(), Timer()
     for name in ("read_run", "_select_draws", "_pick_replay", "_replay_items", "sample_replay"):
-        service_steps.wrap(batches, name, f"batches.{name}")
+        wrap(batches, name, f"batches.{name}", service_steps)
     for name in ("get_states", "questions_with_trajectories", "question_prompts"):
-        service_steps.wrap(repo, name, f"repo.{name}")
+        wrap(repo, name, f"repo.{name}", service_steps)
     for name in ("_replay", "_states", "_questions"):
-        floor_steps.wrap(_floor.Floor, name, f"Floor.{name}")
-    floor_steps.wrap(_floor, "sample_replay", "sample_replay")
+        wrap(_floor.Floor, name, f"Floor.{name}", floor_steps)
+    wrap(_floor, "sample_replay", "sample_replay", floor_steps)
     async with contextlib.AsyncExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        copy = await stack.enter_async_context(
-            _seed.seeded_copy(
-                args.backend,
-                args.size,
-                pb.CACHE,
-                tmp,
-                "select_steps",
-                pg_dsn=args.pg_dsn,
-                redis_url=args.redis_url,
-            )
-        )
-        app = create_app(copy.settings, freeze_heap=True)
-        await stack.enter_async_context(app.router.lifespan_context(app))
+        app, floor = await started(stack, args, "select_steps")
         ctx = app.state.ctx
-        floor = _floor.Floor(await _floor._connect(copy.url))
-        await floor.load()
 
         async def service() -> None:
             with ctx.db.hot():
@@ -138,8 +81,8 @@ async def measure(args: argparse.Namespace) -> None:
     print("\n| side | step (inclusive) | us |")
     print("|---|---|---:|")
     for side, (_, steps) in sides.items():
-        for label, seconds in sorted(steps.cpu.items(), key=lambda kv: -kv[1]):
-            print(f"| {side} | {label} | {seconds / total * 1e6:.0f} |")
+        for label, ms, _ in steps.rows(total):
+            print(f"| {side} | {label} | {ms * 1e3:.0f} |")
 
 
 def main() -> None:

@@ -142,6 +142,11 @@ def _timed_connections() -> None:
 
 def _wrap(owner: Any, name: str, label: str) -> None:
     STEP_ORDER.append(label)
+    wrap(owner, name, label, STEPS)
+
+
+def wrap(owner: Any, name: str, label: str, timer: Timer) -> None:
+    """`owner.name` replaced by a wrapper that adds its calls' loop CPU to `timer` under `label`."""
     fn = getattr(owner, name)
     if inspect.iscoroutinefunction(fn):
 
@@ -151,7 +156,7 @@ def _wrap(owner: Any, name: str, label: str) -> None:
             try:
                 return await fn(*args, **kwargs)
             finally:
-                STEPS.add(label, time.thread_time() - t)
+                timer.add(label, time.thread_time() - t)
 
         setattr(owner, name, timed_async)
         return
@@ -162,7 +167,7 @@ def _wrap(owner: Any, name: str, label: str) -> None:
         try:
             return fn(*args, **kwargs)
         finally:
-            STEPS.add(label, time.thread_time() - t)
+            timer.add(label, time.thread_time() - t)
 
     setattr(owner, name, timed)
 

@@ -139,13 +139,11 @@ async def _select_draws(
             quiet = known.quiet if known.sizes is None else ids is not None
         if now is not None:
             _know(ctx, scope, entry, KnownSizes(now, quiet))
-            draws = sample_replay(now, n, rules, rng()) if now else []
-            return now, draws, await ctx.index.pick(scope, _ranks(draws))
+            return now, *await _draw_replay(ctx, scope, now, n, rules, rng())
         if ctx.known_sizes.get(scope) is entry:
             ctx.known_sizes.pop(scope, None)
     sizes = await index_sizes(ctx, session, scope)
-    draws = sample_replay(sizes, n, rules, rng())
-    return sizes, draws, await ctx.index.pick(scope, _ranks(draws))
+    return sizes, *await _draw_replay(ctx, scope, sizes, n, rules, rng())
 
 
 def _ranks(draws: Sequence[Draw]) -> dict[int, list[int]]:
@@ -273,7 +271,8 @@ class _Pick:
 async def _draw_replay(
     ctx: Context, scope: int, sizes: dict[int, int], n: int, rules: ExperienceRules, rng: np.random.Generator
 ) -> tuple[list[Draw], dict[int, list[int]]]:
-    """A plan's draws from the sizes it read, and the ids the index picks for them."""
+    """Draws from sizes just read, and the ids the index picks for them (a plan's, and a selection's
+    that read its sizes first)."""
     draws = sample_replay(sizes, n, rules, rng)
     return draws, await ctx.index.pick(scope, _ranks(draws))
 
