@@ -27,6 +27,9 @@ def parsed(raw: str | bytes) -> Any:
 
 def loads(raw: str | bytes) -> Any:
     """`json.loads(raw)`, faster: the engines' `json_deserializer`, so a JSON column (a prompt, a
-    batch's plan, a run's settings) is read as before, whichever parser read it."""
-    value = parsed(raw)
-    return json.loads(raw) if value is UNPARSED else value
+    batch's plan, a run's settings) is read as before, whichever parser read it. `parsed` written
+    out here: a page of 50 questions reads 100 values, each one Python call fewer."""
+    try:
+        return pydantic_core.from_json(raw, allow_inf_nan=True, cache_strings=False)
+    except ValueError:
+        return json.loads(raw)

@@ -32,12 +32,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request, params
+from fastapi.dependencies import utils as fastapi_utils
 from fastapi.dependencies.models import Dependant
 from fastapi.dependencies.utils import request_body_to_args, request_params_to_args
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic_core import PydanticUndefined
+from starlette.datastructures import Headers, ImmutableMultiDict
 from starlette.exceptions import HTTPException
 
 from exgrpo_pool import jsonread
@@ -45,6 +47,8 @@ from exgrpo_pool import jsonread
 F = TypeVar("F", bound=Callable[..., Any])
 
 _LEAN = "__exgrpo_lean__"
+#: where a parameter is read from (`_Step.readers`): the path, the query string, the headers
+_PATH, _QUERY, _HEADER = 0, 1, 2
 _UNREAD = object()
 
 
@@ -66,6 +70,9 @@ class _Step:
     #: whether solving it (its own dependencies included) validates any parameter: FastAPI solves
     #: a cached dependency's own dependencies again, and their errors count again
     checks: bool
+    #: its path, query and header parameters, each kind read by `_read_params` (or, None where
+    #: it cannot, by FastAPI's `request_params_to_args`)
+    readers: tuple[tuple[int, Sequence[Any], tuple[_Param, ...] | None], ...]
 
     async def solve(
         self,
@@ -95,17 +102,20 @@ class _Step:
             if sub.name is not None:
                 values[sub.name] = solved
         d = self.dependant
-        for fields, received in (
-            (d.path_params, request.path_params),
-            (d.query_params, request.query_params),
-            (d.header_params, request.headers),
-        ):
-            if fields:
+        for source, fields, read in self.readers:
+            received: Any = request.path_params
+            if source == _QUERY:
+                received = request.query_params
+            elif source == _HEADER:
+                received = request.headers
+            if read is None:
                 got, errs = request_params_to_args(fields, received)
-                values.update(got)
-                if errs:
-                    errors += errs
-                    failed = True
+            else:
+                got, errs = _read_params(read, received)
+            values.update(got)
+            if errs:
+                errors += errs
+                failed = True
         if d.body_params:
             got, errs = await request_body_to_args(d.body_params, body, embed_body_fields=False)
             values.update(got)
@@ -152,11 +162,71 @@ def _unsupported(d: Dependant, *, endpoint: bool) -> str | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class _Param:
+    """A path, query or header parameter as `request_params_to_args` reads it, with what that
+    function works out from the field on every request worked out once: the request keys it
+    looks for, in its order of preference, and whether the value is a list."""
+
+    field: Any
+    #: the request keys to look for, the first one found taken (none: the first)
+    keys: tuple[str, ...]
+    #: the location of its errors: "path", "query" or "header"
+    where: str
+    #: read as a list from a query string or headers (a sequence annotation, not JSON)
+    many: bool
+    #: a sequence annotation: an empty value counts as missing
+    sequence: bool
+
+
+def _param_reader(fields: Sequence[Any]) -> tuple[_Param, ...] | None:
+    """`fields` as `_read_params` reads them, or None (FastAPI's `request_params_to_args` reads
+    them): a parameter that is a model, or a FastAPI without the functions it reads with."""
+    utils = fastapi_utils
+    needed = ("_get_param_model", "_get_param_aliases", "_is_json_field", "_validate_value_with_model_field")
+    if not all(hasattr(utils, name) for name in needed) or not hasattr(utils, "field_annotation_is_sequence"):
+        return None
+    out = []
+    for f in fields:
+        if utils._get_param_model(f) is not None or not isinstance(f.field_info, params.Param):
+            return None
+        keys = tuple(key for _alias, key in utils._get_param_aliases(f))
+        sequence = bool(utils.field_annotation_is_sequence(f.field_info.annotation))
+        many = sequence and not utils._is_json_field(f)
+        out.append(_Param(f, keys, f.field_info.in_.value, many, sequence))
+    return tuple(out)
+
+
+def _read_params(read: tuple[_Param, ...], received: Any) -> tuple[dict[str, Any], list[Any]]:
+    """`request_params_to_args(fields, received)`, with what it works out from the fields taken
+    from `read`: the same values, the same errors in the same order (FastAPI's own validation;
+    `tests/unit/test_lean_params.py`), ~1.5 us a parameter instead of ~5."""
+    values: dict[str, Any] = {}
+    errors: list[Any] = []
+    multi = isinstance(received, ImmutableMultiDict | Headers)
+    validate = fastapi_utils._validate_value_with_model_field
+    for p in read:
+        key = p.keys[0]
+        if len(p.keys) > 1:
+            key = next((k for k in p.keys if k in received), key)
+        value = received.getlist(key) if p.many and multi else received.get(key, None)
+        if value is None or (p.sequence and len(value) == 0):
+            value = PydanticUndefined
+        got, errs = validate(field=p.field, value=value, values=values, loc=(p.where, key))
+        if errs:
+            errors.extend(errs)
+        else:
+            values[p.field.name] = got
+    return values, errors
+
+
 def _compile(d: Dependant) -> _Step:
     subs = tuple(_compile(sub) for sub in d.dependencies)
     checks = bool(d.path_params or d.query_params or d.header_params) or any(s.checks for s in subs)
     assert d.call is not None  # `_unsupported` has checked it
-    return _Step(d.name, d.call, subs, d, checks)
+    kinds = (d.path_params, d.query_params, d.header_params)
+    readers = tuple((i, fields, _param_reader(fields)) for i, fields in enumerate(kinds) if fields)
+    return _Step(d.name, d.call, subs, d, checks, readers)
 
 
 def compile_route(route: APIRoute) -> _Step:

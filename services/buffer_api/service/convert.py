@@ -6,7 +6,7 @@ import contextvars
 import functools
 import hashlib
 import json
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -28,6 +28,7 @@ from exgrpo_pool.store.models import (
     AnyPool,
     AnyQuestion,
     AnyRun,
+    PageRow,
     Pool,
     PoolRow,
     RunRow,
@@ -267,18 +268,22 @@ def question_public(q: AnyQuestion, pool_name: str) -> s.QuestionPublic:
     )
 
 
-def question_body(q: AnyQuestion, pool_name: str) -> dict[str, Any]:
-    """What `question_public` answers, as JSON values (the prompt as stored: validated on import)."""
-    return {
-        "id": q.id,
-        "pool": pool_name,
-        "prompt": q.prompt,
-        "ground_truth": q.ground_truth,
-        "data_source": q.data_source,
-        "external_id": q.external_id,
-        "metadata": q.meta,
-        "created_at": _json_stamp(q.created_at, q.created_at.tzinfo),
-    }
+def question_bodies(rows: Iterable[PageRow], pool_name: str) -> list[dict[str, Any]]:
+    """What `question_public` answers for each question of a page, as JSON values (the prompt as
+    stored: validated on import), in one pass over its rows."""
+    return [
+        {
+            "id": qid,
+            "pool": pool_name,
+            "prompt": prompt,
+            "ground_truth": truth,
+            "data_source": source,
+            "external_id": ext,
+            "metadata": meta,
+            "created_at": _json_stamp(at, at.tzinfo),
+        }
+        for qid, prompt, truth, source, ext, meta, at in rows
+    ]
 
 
 #: While set (an answer that goes out as a binary frame), `trajectory_public` keeps the stored

@@ -16,7 +16,7 @@ from exgrpo_pool.service.convert import (
     checked_config,
     pool_config,
     pool_public,
-    question_body,
+    question_bodies,
     question_public,
     question_row,
     run_overrides,
@@ -152,8 +152,8 @@ async def list_questions(ctx: Context, pool_name: str, after: int, limit: int) -
         qs = await repo.question_page(session, pool_name, after, limit)
         if not qs and await repo.pool_row(session, pool_name) is None:
             raise missing_pool(pool_name)
-    data = [question_body(q, pool_name) for q in qs]
-    next_after = qs[-1].id if len(qs) == limit else None
+    data = question_bodies(qs, pool_name)
+    next_after = qs[-1][0] if len(qs) == limit else None
     return jsonwrite.dumps({"data": data, "count": len(data), "next_after": next_after})
 
 

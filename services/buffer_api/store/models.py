@@ -356,21 +356,12 @@ class BatchRow:
     created_at: datetime
 
 
-@dataclass(slots=True)
-class QuestionRow:
-    """A question as a page of them is read (`repo.question_page`): what its answer shows."""
-
-    id: int
-    prompt: list[dict[str, Any]]
-    ground_truth: str
-    data_source: str
-    external_id: str | None
-    meta: dict[str, Any]
-    created_at: datetime
-
+#: a question of a page (`repo.question_page`): id, prompt, ground truth, data source, external
+#: id, metadata and creation time, each as SQLAlchemy gives it
+PageRow = tuple[int, list[dict[str, Any]], str, str, str | None, dict[str, Any], datetime]
 
 AnyPool = Pool | PoolRow
 AnyRun = Run | RunRow
-AnyQuestion = Question | QuestionRow
+AnyQuestion = Question
 AnyLease = RunLease | LeaseRow
 AnyBatch = Batch | BatchRow

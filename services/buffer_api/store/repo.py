@@ -43,11 +43,11 @@ from exgrpo_pool.store.models import (
     BatchRow,
     IdempotencyKey,
     LeaseRow,
+    PageRow,
     PolicyVersion,
     Pool,
     PoolRow,
     Question,
-    QuestionRow,
     Run,
     RunEpoch,
     RunLease,
@@ -560,11 +560,12 @@ async def run_rows_of_pool(session: AsyncSession, pool_id: int) -> list[RunRow]:
     return [RunRow(*r) for r in await _core_rows(session, _RUNS_OF_POOL, {"pool_id": pool_id})]
 
 
-async def question_page(session: AsyncSession, pool_name: str, after: int, limit: int) -> list[QuestionRow]:
+async def question_page(session: AsyncSession, pool_name: str, after: int, limit: int) -> list[PageRow]:
     """Up to `limit` of the pool's questions with ids above `after`, in id order, as plain rows
     read by one driver statement that finds the pool by its name too (a page is polled: the pool's
     own read was a second statement, on Postgres a second round trip). No row: no such pool, or
-    none left (the caller tells which)."""
+    none left (the caller tells which). Tuples, not objects: the page's answer is written from
+    them in one pass (`convert.question_bodies`)."""
     conn = await _connection(session)
     q = _Sql(conn)
     sql = (
@@ -576,10 +577,7 @@ async def question_page(session: AsyncSession, pool_name: str, after: int, limit
     prompt = _result_processor(conn, _question_t.c.prompt) or _as_is
     meta = _result_processor(conn, _question_t.c["metadata"]) or _as_is
     stamp = _stamp(conn) or _as_is
-    return [
-        QuestionRow(i, prompt(p), truth, source, ext, meta(m), stamp(at))
-        for i, p, truth, source, ext, m, at in rows
-    ]
+    return [(i, prompt(p), t, source, ext, meta(m), stamp(at)) for i, p, t, source, ext, m, at in rows]
 
 
 def _as_is(value: Any) -> Any:
