@@ -444,7 +444,7 @@ async def test_json_columns_are_read_as_json_loads_reads_them_by_the_faster_pars
                 got = await repo.question_prompts(session, list(expected))
                 mapped = {q.id: q.prompt for q in (await session.execute(select(Question))).scalars()}
             for qid, value in expected.items():
-                assert _same_json(got[qid].prompt, value), (got[qid].prompt, value)
+                assert _same_json(got[qid]["prompt"], value), (got[qid]["prompt"], value)
                 assert _same_json(mapped[qid], value), (mapped[qid], value)
             # twice each (the driver read and the mapped read) the lone surrogate, nothing else
             assert len(calls) == (2 if sqlite else 0), calls

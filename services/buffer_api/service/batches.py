@@ -301,14 +301,9 @@ async def _pick_replay(
         members = ids[d.bucket]
         at = cursor.get(d.bucket, 0)
         if at < len(members):
-            picks.append(
-                _Pick(
-                    question_id=int(members[at]),
-                    bucket=int(d.bucket),
-                    # the question's: its bucket's, shared by the bucket's questions (uniform within)
-                    probability=float(d.probability / sizes[d.bucket]),
-                )
-            )
+            # question, bucket, and the question's probability: its bucket's, shared by the
+            # bucket's questions (uniform within); positional (~0.1 us a pick less)
+            picks.append(_Pick(int(members[at]), int(d.bucket), float(d.probability / sizes[d.bucket])))
         cursor[d.bucket] = at + 1
     # the database is the source of truth: drop picks a concurrent writer retired meanwhile
     states = await repo.get_states(session, scope, [p.question_id for p in picks])
@@ -353,7 +348,7 @@ async def _replay_items(
     picks: Sequence[s.StoredPick | _Pick],
     k: int,
     *,
-    questions: dict[int, Row[Any]] | None = None,
+    questions: dict[int, dict[str, Any]] | None = None,
     rows: dict[int, Row[Any]] | None = None,
     run: AnyRun | None = None,
 ) -> tuple[list[dict[str, Any]], list[tuple[bytes, bytes]]]:
@@ -379,24 +374,14 @@ async def _replay_items(
         payloads += [(t.token_ids, t.logprobs) for t in cands]
         items.append(
             {
-                **_question_body(q, k - 1),
+                **q,
+                "num_samples": k - 1,
                 "bucket": p.bucket,
                 "probability": p.probability,
                 "candidates": [trajectory_body(t, names) for t in cands],
             }
         )
     return items, payloads
-
-
-def _question_body(q: Row[Any], num_samples: int) -> dict[str, Any]:
-    """A planned question of an answer (`FreshItem`); its prompt as stored (validated on import)."""
-    return {
-        "question_id": q.id,
-        "prompt": q.prompt,
-        "ground_truth": q.ground_truth,
-        "data_source": q.data_source,
-        "num_samples": num_samples,
-    }
 
 
 async def _plan_public(
@@ -422,7 +407,8 @@ async def _plan_public(
         "status": batch.status,
         "policy_version": batch.policy_version,
         "k": k,
-        "fresh": [_question_body(questions[i], k) for i in plan.fresh],
+        # a planned question (`FreshItem`): its prompt as stored (validated on import)
+        "fresh": [{**questions[i], "num_samples": k} for i in plan.fresh],
         "replay": replay,
         "num_eligible": plan.num_eligible,
         "skipped_fresh": plan.skipped_fresh,

@@ -818,25 +818,25 @@ async def list_questions(session: AsyncSession, pool_id: int, after: int, limit:
     return list((await session.execute(stmt)).scalars())
 
 
-async def question_prompts(session: AsyncSession, ids: Sequence[int]) -> dict[int, Any]:
-    """(id, prompt, ground_truth, data_source) of questions, as plain rows (a plan's or a
-    selection's questions: no mapped objects on the hot path), read by a driver statement."""
+async def question_prompts(session: AsyncSession, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """The questions of a plan or a selection as their answer shows them: `question_id`,
+    `prompt`, `ground_truth` and `data_source`, in that order, a dict per question (the answer's
+    item is this dict with its own fields after), read by a driver statement: no mapped object, no
+    row object between the driver's row and the answer."""
     conn = await _connection(session)
     prompt = _result_processor(conn, _question_t.c.prompt)
-    out: dict[int, Any] = {}
+    out: dict[int, dict[str, Any]] = {}
     for chunk in _chunks(sorted(set(ids))):
         q = _Sql(conn)
         sql = f"SELECT id, prompt, ground_truth, data_source FROM question WHERE id {q.ids(chunk)}"
         for qid, value, truth, source in await _driver_rows(conn, sql, q.args):
-            out[qid] = _Prompt(qid, value if prompt is None else prompt(value), truth, source)
+            out[qid] = {
+                "question_id": qid,
+                "prompt": value if prompt is None else prompt(value),
+                "ground_truth": truth,
+                "data_source": source,
+            }
     return out
-
-
-class _Prompt(NamedTuple):
-    id: int
-    prompt: Any
-    ground_truth: str
-    data_source: str | None
 
 
 async def questions_in_pool(session: AsyncSession, pool_id: int, ids: Sequence[int]) -> set[int]:
