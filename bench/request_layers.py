@@ -188,8 +188,10 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The command line of an in-process comparison with the floor (this script's, and
+    `select_steps.py`'s): the pool's size and backend, the rounds, the services' addresses."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--per-round", type=int, default=100)
@@ -198,7 +200,11 @@ def main() -> None:
         "--pg-dsn", default=os.environ.get("BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432")
     )
     ap.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = arguments(__doc__).parse_args()
     out = asyncio.run(measure(args))
     print(
         f"\n{'SQLite' if args.backend == 'sqlite' else 'Postgres + Redis'}, {args.size:,} questions, "

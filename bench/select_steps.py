@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _floor
 import _seed
-from request_layers import started
+from request_layers import arguments, started
 from write_steps import Timer, wrap
 
 from exgrpo_client import schemas as s
@@ -86,16 +85,7 @@ async def measure(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", type=int, default=10_000)
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--per-round", type=int, default=100)
-    ap.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
-    ap.add_argument(
-        "--pg-dsn", default=os.environ.get("BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432")
-    )
-    ap.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    asyncio.run(measure(ap.parse_args()))
+    asyncio.run(measure(arguments(__doc__).parse_args()))
 
 
 if __name__ == "__main__":
