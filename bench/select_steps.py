@@ -39,8 +39,9 @@ async def measure(args: argparse.Namespace) -> None:
     service_steps, floor_steps = Timer(), Timer()
     for name in ("read_run", "_select_draws", "_pick_replay", "_replay_items", "sample_replay"):
         wrap(batches, name, f"batches.{name}", service_steps)
-    for name in ("get_states", "questions_with_trajectories", "question_prompts"):
-        wrap(repo, name, f"repo.{name}", service_steps)
+    for name in ("get_states", "questions_with_trajectories", "question_prompts", "picked_states"):
+        if hasattr(repo, name):  # a tree before `picked_states` (`PYTHONPATH`) has the other three
+            wrap(repo, name, f"repo.{name}", service_steps)
     for name in ("_replay", "_states", "_questions"):
         wrap(_floor.Floor, name, f"Floor.{name}", floor_steps)
     wrap(_floor, "sample_replay", "sample_replay", floor_steps)

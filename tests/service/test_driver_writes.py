@@ -522,3 +522,86 @@ async def test_a_driver_statement_on_a_lost_connection_fails_as_sqlalchemys_do(b
             assert await repo.question_prompts(session, qids) == first
     finally:
         await db.close()
+
+
+async def test_a_replays_picked_states_are_what_the_three_reads_they_replace_give(backend: Backend) -> None:
+    """`repo.picked_states` reads in one statement what `get_states`, `questions_with_trajectories`
+    and `question_prompts` read in three: for picks with and without a state row, retired or not,
+    with trajectories stored in the scope asked, in another or none, before and after a step."""
+    pool, (q1, q2, q3, q4) = await _pool_and_questions(backend)
+    scope, stored_in, elsewhere = -pool - 2000, -pool - 2001, -pool - 2002
+    db = Database(backend.database_url)
+
+    def trajectory(qid: int, in_scope: int, step: int, key: int) -> dict[str, Any]:
+        return {
+            "question_id": qid,
+            "pool_id": pool,
+            "scope": in_scope,
+            "source_run_id": None,
+            "policy_version": 1,
+            "step": step,
+            "token_ids": b"\x01\x00\x00\x00",
+            "logprobs": b"\x00\x00\x80\xbf",
+            "num_tokens": 1,
+            "reward": 1.0,
+            "entropy": 0.5,
+            "dedup_key": bytes([key]) * 16,
+            "text": None,
+            "created_at": AT,
+        }
+
+    try:
+        async with db.transaction() as session:
+            await repo.upsert_decided_states(
+                session,
+                [
+                    _state(scope, q1, pool, bucket=2),
+                    _state(scope, q2, pool, retired=True),
+                    _state(scope, q3, pool, bucket=1),
+                    _state(elsewhere, q4, pool, bucket=3),  # a state of q4, in another scope only
+                ],
+            )
+            rows = [
+                trajectory(q1, stored_in, 2, 1),
+                trajectory(q1, stored_in, 7, 2),
+                trajectory(q2, stored_in, 5, 3),
+                trajectory(q3, elsewhere, 9, 4),  # stored, but not in the scope asked
+                trajectory(q4, stored_in, 9, 5),  # stored, but no state in `scope`
+            ]
+            assert await repo.insert_trajectories(session, rows) == len(rows)
+        picks = [q3, q1, q4, q2, q1, 10**9]  # a question twice, one that does not exist
+        seen: dict[tuple[int | None, int | None, bool], dict[int, repo.PickedState]] = {}
+        for where in (None, stored_in, elsewhere):
+            for min_step in (None, 3, 8) if where is not None else (None,):
+                for prompts in (False, True):
+                    async with db.transaction() as session:
+                        got = await repo.picked_states(
+                            session, scope, picks, stored_in=where, min_step=min_step, prompts=prompts
+                        )
+                        states = await repo.get_states(session, scope, picks)
+                        stored = set()
+                        if where is not None:
+                            stored = await repo.questions_with_trajectories(
+                                session, picks, scope=where, min_step=min_step
+                            )
+                        questions = await repo.question_prompts(session, picks)
+                    want = {
+                        qid: (bucket, retired, qid in stored, questions[qid] if prompts else None)
+                        for qid, (bucket, retired) in states.items()
+                    }
+                    assert got == want, (where, min_step, prompts)
+                    seen[where, min_step, prompts] = got
+        assert len(seen) == 14
+        # what the cases hold: the three states of `scope` (not q4's), each stored or not as asked
+        stored_flags = {key[:2]: {qid: v[2] for qid, v in got.items()} for key, got in seen.items() if key[2]}
+        assert stored_flags[None, None] == {q1: False, q2: False, q3: False}
+        assert stored_flags[stored_in, None] == {q1: True, q2: True, q3: False}
+        assert stored_flags[stored_in, 3] == {q1: True, q2: True, q3: False}
+        assert stored_flags[stored_in, 8] == {q1: False, q2: False, q3: False}
+        assert stored_flags[elsewhere, None] == {q1: False, q2: False, q3: True}
+        first = seen[stored_in, None, True]
+        assert first[q1][:2] == (2, False) and first[q2][:2] == (None, True) and first[q3][:2] == (1, False)
+        assert first[q1][3] is not None and first[q1][3]["question_id"] == q1
+        assert all(v[3] is None for v in seen[stored_in, None, False].values())
+    finally:
+        await db.close()

@@ -241,8 +241,8 @@ async def _draw_fresh(
 
 # ----------------------------------------------------------------------------- replay choice
 #: what `_pick_replay` reads of the candidates when they do not go out whole (`all` reads all),
-#: their steps too under a `max_replay_age`; ids only (`none`) reads which questions have one
-#: (`repo.questions_with_trajectories`).
+#: their steps too under a `max_replay_age`; ids only (`none`) reads which questions have one,
+#: with the picks' states (`repo.picked_states`).
 _CANDIDATE_COLUMNS: dict[str, tuple[str, ...]] = {
     "lowest_stored_entropy": ("id", "question_id", "entropy"),
 }
@@ -286,13 +286,18 @@ async def _pick_replay(
     rules: ExperienceRules,
     mode: s.CandidateMode,
     step: int,
-) -> tuple[list[_Pick], dict[int, Row[Any]]]:
-    """The replayed questions, each with its candidates' ids, and the candidates' rows as read:
-    with their payloads when every candidate goes out (`all`), else without (`_replay_items` reads
-    the payloads of the chosen ones by id). `drawn`: the draws from `sizes` and the ids the index
-    picked for them (`_draw_replay`, `_select_draws`). `step`: the run's current step; with
-    `rules.max_replay_age` a trajectory collected more than that many steps before it is no
-    candidate, and a question left without one is dropped like a vanished pick."""
+    *,
+    prompts: bool = False,
+) -> tuple[list[_Pick], dict[int, Row[Any]], dict[int, dict[str, Any]] | None]:
+    """The replayed questions, each with its candidates' ids, the candidates' rows as read (with
+    their payloads when every candidate goes out, `all`, else without: `_replay_items` reads the
+    payloads of the chosen ones by id), and the picked questions as the answer shows them where
+    they were read on the way (`prompts`, ids only: the picks' states, whether each has a
+    trajectory and its question in one statement, `repo.picked_states`; else None). `drawn`: the
+    draws from `sizes` and the ids the index picked for them (`_draw_replay`, `_select_draws`).
+    `step`: the run's current step; with `rules.max_replay_age` a trajectory collected more than
+    that many steps before it is no candidate, and a question left without one is dropped like a
+    vanished pick."""
     scope = scopes.state
     draws, ids = drawn
     picks: list[_Pick] = []
@@ -305,18 +310,27 @@ async def _pick_replay(
             # bucket's questions (uniform within); positional (~0.1 us a pick less)
             picks.append(_Pick(int(members[at]), int(d.bucket), float(d.probability / sizes[d.bucket])))
         cursor[d.bucket] = at + 1
+    oldest = None if rules.max_replay_age is None else step - rules.max_replay_age
+    ids_only = mode == "none"  # no candidate goes out: a question needs one stored, that is all
     # the database is the source of truth: drop picks a concurrent writer retired meanwhile
-    states = await repo.get_states(session, scope, [p.question_id for p in picks])
+    states = await repo.picked_states(
+        session,
+        scope,
+        [p.question_id for p in picks],
+        stored_in=scopes.trajectories if ids_only else None,
+        min_step=oldest,
+        prompts=prompts and ids_only,
+    )
     valid = [p for p in picks if (st := states.get(p.question_id)) is not None and not st[1] and st[0]]
     if len(valid) != len(picks):
         log.warning("index out of date for scope %s: %d stale picks dropped", scope, len(picks) - len(valid))
         await ctx.index.drop(scope)
-    oldest = None if rules.max_replay_age is None else step - rules.max_replay_age
-    if mode == "none":  # no candidate goes out: a question needs one stored, that is all
-        have = await repo.questions_with_trajectories(
-            session, [p.question_id for p in valid], scope=scopes.trajectories, min_step=oldest
-        )
-        return [p for p in valid if p.question_id in have], {}
+    if ids_only:
+        kept = [p for p in valid if states[p.question_id][2]]
+        questions = None
+        if prompts:
+            questions = {p.question_id: q for p in kept if (q := states[p.question_id][3]) is not None}
+        return kept, {}, questions
     only = _CANDIDATE_COLUMNS.get(mode)
     trajs = await repo.trajectories_of(
         session,
@@ -340,7 +354,7 @@ async def _pick_replay(
             p.candidates = [t.id for t in cands]
             rows.update((t.id, t) for t in cands)  # type: ignore[misc]  # rows read like Trajectory
         out.append(p)
-    return out, rows
+    return out, rows, None
 
 
 async def _replay_items(
@@ -493,7 +507,9 @@ async def plan_batch(
         replay = await _draw_replay(
             ctx, scope, sizes, comp.num_replay, rules, make_rng(run.seed, step, "replay")
         )
-        picks, rows = await _pick_replay(ctx, session, scopes, sizes, replay, rules, req.candidates, run.step)
+        picks, rows, _ = await _pick_replay(
+            ctx, session, scopes, sizes, replay, rules, req.candidates, run.step
+        )
         # a pick can vanish (stale index); its slot goes to the next loader-drawn question
         fill = rules.batch_size - len(fresh) - len(picks)
         if fill > 0:
@@ -766,10 +782,12 @@ async def select_replay(ctx: Context, pool_name: str, run_name: str, req: s.Sele
         sizes, draws, ids = await _select_draws(
             ctx, session, scopes.state, req.n, rules, lambda: make_rng(run.seed, seed, "select")
         )
-        picks, rows = await _pick_replay(
-            ctx, session, scopes, sizes, (draws, ids), rules, req.candidates, run.step
+        picks, rows, questions = await _pick_replay(
+            ctx, session, scopes, sizes, (draws, ids), rules, req.candidates, run.step, prompts=True
         )
-        items, payloads = await _replay_items(session, picks, rules.k, rows=rows, run=run)
+        items, payloads = await _replay_items(
+            session, picks, rules.k, questions=questions, rows=rows, run=run
+        )
     ctx.metrics.replay_picks.labels(pool.name).inc(len(items))
     body = {"run": run.name, "num_eligible": sum(sizes.values()), "replay": items}
     return Answer(s.SelectResult, body, payloads)

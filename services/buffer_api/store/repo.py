@@ -942,6 +942,63 @@ async def get_states(
     return out
 
 
+#: what `picked_states` reads of a replay pick: (bucket, retired, stored, question)
+PickedState = tuple[int | None, bool, bool, dict[str, Any] | None]
+
+
+async def picked_states(
+    session: AsyncSession,
+    scope: int,
+    qids: Sequence[int],
+    *,
+    stored_in: int | None = None,
+    min_step: int | None = None,
+    prompts: bool = False,
+) -> dict[int, PickedState]:
+    """What a replay needs of its picks, in one statement: of the questions of `qids` that have a
+    state row in `scope`, (bucket, retired) as `get_states` reads them; whether a trajectory of
+    the question is stored in `stored_in` (collected at step `min_step` or later) as
+    `questions_with_trajectories` tells (False without `stored_in`); and with `prompts` the
+    question as `question_prompts` writes it (else None). Three statements before: on Postgres
+    three round trips."""
+    conn = await _connection(session)
+    prompt = _result_processor(conn, _question_t.c.prompt) if prompts else None
+    out: dict[int, PickedState] = {}
+    for chunk in _chunks(sorted(set(qids))):
+        q = _Sql(conn)
+        stored = "0"
+        if stored_in is not None:
+            stored = (
+                "EXISTS (SELECT 1 FROM trajectory t WHERE t.question_id = s.question_id "
+                f"AND t.scope = {q.arg(stored_in)}"
+                + ("" if min_step is None else f" AND t.step >= {q.arg(min_step)}")
+                + ")"
+            )
+        cols, source = "", "run_question s"
+        if prompts:
+            cols, source = (
+                ", q.prompt, q.ground_truth, q.data_source",
+                f"{source} JOIN question q ON q.id = s.question_id",
+            )
+        sql = (
+            f"SELECT s.question_id, s.bucket, s.retired, {stored}{cols} FROM {source} "
+            f"WHERE s.scope = {q.arg(scope)} AND s.question_id {q.ids(chunk)}"
+        )
+        for row in await _driver_rows(conn, sql, q.args):
+            qid = int(row[0])
+            question = None
+            if prompts:
+                value = row[4]
+                question = {
+                    "question_id": qid,
+                    "prompt": value if prompt is None else prompt(value),
+                    "ground_truth": row[5],
+                    "data_source": row[6],
+                }
+            out[qid] = (row[1], bool(row[2]), bool(row[3]), question)
+    return out
+
+
 async def upsert_decided_states(session: AsyncSession, rows: list[dict[str, Any]]) -> None:
     """The states a commit or an ingest decided, in one statement whatever their kinds: a row with
     `retired` retires the question and clears its bucket; a row with a bucket collects it (unless it
