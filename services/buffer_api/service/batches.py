@@ -6,7 +6,7 @@ import logging
 import secrets
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -313,23 +313,25 @@ async def _pick_replay(
     oldest = None if rules.max_replay_age is None else step - rules.max_replay_age
     ids_only = mode == "none"  # no candidate goes out: a question needs one stored, that is all
     # the database is the source of truth: drop picks a concurrent writer retired meanwhile
-    states = await repo.picked_states(
-        session,
-        scope,
-        [p.question_id for p in picks],
-        stored_in=scopes.trajectories if ids_only else None,
-        min_step=oldest,
-        prompts=prompts and ids_only,
-    )
+    qids = [p.question_id for p in picks]
+    picked: dict[int, repo.PickedState] = {}
+    states: Mapping[int, tuple[Any, ...]]
+    if ids_only:
+        picked = await repo.picked_states(
+            session, scope, qids, stored_in=scopes.trajectories, min_step=oldest, prompts=prompts
+        )
+        states = picked
+    else:
+        states = await repo.get_states(session, scope, qids)
     valid = [p for p in picks if (st := states.get(p.question_id)) is not None and not st[1] and st[0]]
     if len(valid) != len(picks):
         log.warning("index out of date for scope %s: %d stale picks dropped", scope, len(picks) - len(valid))
         await ctx.index.drop(scope)
     if ids_only:
-        kept = [p for p in valid if states[p.question_id][2]]
+        kept = [p for p in valid if picked[p.question_id][2]]
         questions = None
         if prompts:
-            questions = {p.question_id: q for p in kept if (q := states[p.question_id][3]) is not None}
+            questions = {p.question_id: q for p in kept if (q := picked[p.question_id][3]) is not None}
         return kept, {}, questions
     only = _CANDIDATE_COLUMNS.get(mode)
     trajs = await repo.trajectories_of(

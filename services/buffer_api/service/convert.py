@@ -26,11 +26,11 @@ from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.store.models import (
     AnyBatch,
     AnyPool,
-    AnyQuestion,
     AnyRun,
     PageRow,
     Pool,
     PoolRow,
+    Question,
     RunRow,
     Trajectory,
     pool_scope,
@@ -255,7 +255,7 @@ def messages(prompt: list[dict[str, Any]]) -> list[s.ChatMessage]:
     return [s.ChatMessage.model_validate(m, strict=False) for m in prompt]
 
 
-def question_public(q: AnyQuestion, pool_name: str) -> s.QuestionPublic:
+def question_public(q: Question, pool_name: str) -> s.QuestionPublic:
     return s.QuestionPublic(
         id=q.id,
         pool=pool_name,

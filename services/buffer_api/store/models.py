@@ -362,6 +362,5 @@ PageRow = tuple[int, list[dict[str, Any]], str, str, str | None, dict[str, Any],
 
 AnyPool = Pool | PoolRow
 AnyRun = Run | RunRow
-AnyQuestion = Question
 AnyLease = RunLease | LeaseRow
 AnyBatch = Batch | BatchRow

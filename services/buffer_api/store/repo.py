@@ -830,13 +830,21 @@ async def question_prompts(session: AsyncSession, ids: Sequence[int]) -> dict[in
         q = _Sql(conn)
         sql = f"SELECT id, prompt, ground_truth, data_source FROM question WHERE id {q.ids(chunk)}"
         for qid, value, truth, source in await _driver_rows(conn, sql, q.args):
-            out[qid] = {
-                "question_id": qid,
-                "prompt": value if prompt is None else prompt(value),
-                "ground_truth": truth,
-                "data_source": source,
-            }
+            out[qid] = _prompt_item(qid, value, truth, source, prompt)
     return out
+
+
+def _prompt_item(
+    qid: int, value: Any, truth: str, source: str, prompt: Callable[[Any], Any] | None
+) -> dict[str, Any]:
+    """A question as a plan's or a selection's answer shows it, in the answer's key order, from
+    its driver values (`prompt`: what SQLAlchemy does to the prompt's, None: nothing)."""
+    return {
+        "question_id": qid,
+        "prompt": value if prompt is None else prompt(value),
+        "ground_truth": truth,
+        "data_source": source,
+    }
 
 
 async def questions_in_pool(session: AsyncSession, pool_id: int, ids: Sequence[int]) -> set[int]:
@@ -951,50 +959,34 @@ async def picked_states(
     scope: int,
     qids: Sequence[int],
     *,
-    stored_in: int | None = None,
+    stored_in: int,
     min_step: int | None = None,
     prompts: bool = False,
 ) -> dict[int, PickedState]:
-    """What a replay needs of its picks, in one statement: of the questions of `qids` that have a
-    state row in `scope`, (bucket, retired) as `get_states` reads them; whether a trajectory of
-    the question is stored in `stored_in` (collected at step `min_step` or later) as
-    `questions_with_trajectories` tells (False without `stored_in`); and with `prompts` the
-    question as `question_prompts` writes it (else None). Three statements before: on Postgres
-    three round trips."""
+    """What an ids-only replay needs of its picks, in one statement: of the questions of `qids`
+    that have a state row in `scope`, (bucket, retired) as `get_states` reads them; whether a
+    trajectory of the question is stored in `stored_in` (collected at step `min_step` or later) as
+    `questions_with_trajectories` tells; and with `prompts` the question as `question_prompts`
+    writes it (else None). Three statements before: on Postgres three round trips."""
     conn = await _connection(session)
     prompt = _result_processor(conn, _question_t.c.prompt) if prompts else None
     out: dict[int, PickedState] = {}
     for chunk in _chunks(sorted(set(qids))):
         q = _Sql(conn)
-        stored = "0"
-        if stored_in is not None:
-            stored = (
-                "EXISTS (SELECT 1 FROM trajectory t WHERE t.question_id = s.question_id "
-                f"AND t.scope = {q.arg(stored_in)}"
-                + ("" if min_step is None else f" AND t.step >= {q.arg(min_step)}")
-                + ")"
-            )
+        stored = f"t.question_id = s.question_id AND t.scope = {q.arg(stored_in)}"
+        if min_step is not None:
+            stored += f" AND t.step >= {q.arg(min_step)}"
         cols, source = "", "run_question s"
         if prompts:
-            cols, source = (
-                ", q.prompt, q.ground_truth, q.data_source",
-                f"{source} JOIN question q ON q.id = s.question_id",
-            )
+            cols = ", q.prompt, q.ground_truth, q.data_source"
+            source += " JOIN question q ON q.id = s.question_id"
         sql = (
-            f"SELECT s.question_id, s.bucket, s.retired, {stored}{cols} FROM {source} "
-            f"WHERE s.scope = {q.arg(scope)} AND s.question_id {q.ids(chunk)}"
+            f"SELECT s.question_id, s.bucket, s.retired, EXISTS (SELECT 1 FROM trajectory t WHERE {stored})"
+            f"{cols} FROM {source} WHERE s.scope = {q.arg(scope)} AND s.question_id {q.ids(chunk)}"
         )
         for row in await _driver_rows(conn, sql, q.args):
             qid = int(row[0])
-            question = None
-            if prompts:
-                value = row[4]
-                question = {
-                    "question_id": qid,
-                    "prompt": value if prompt is None else prompt(value),
-                    "ground_truth": row[5],
-                    "data_source": row[6],
-                }
+            question = _prompt_item(qid, row[4], row[5], row[6], prompt) if prompts else None
             out[qid] = (row[1], bool(row[2]), bool(row[3]), question)
     return out
 
