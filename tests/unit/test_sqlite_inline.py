@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from exgrpo_pool.app import create_app
@@ -230,7 +230,9 @@ async def test_a_hot_session_is_closed_without_a_task_of_its_own(tmp_path: Path)
         loop.set_task_factory(None)
         # the write's background WAL checkpoint is its only task
         assert [name for name in started if "checkpoint" not in name] == []
-        assert pool.checkedout() == 0  # type: ignore[attr-defined]
+        # the read's connection is back in the pool; the write's is kept for the next write
+        assert pool.checkedout() == 1  # type: ignore[attr-defined]
+        assert db._writer is not None
         with db.hot():
             async with db.read() as session:
                 assert (await session.execute(text("SELECT n FROM counter"))).scalar_one() == 1
@@ -282,7 +284,7 @@ async def _read_counter(db: Database) -> tuple[AsyncSession, int]:
 
 def _raw(session: AsyncSession) -> sqlite3.Connection | None:
     """The `sqlite3` connection a hot session holds, as the repo keeps it."""
-    return repo._inline_sqlite(session.info["exgrpo_connection"][1])
+    return repo.inline_sqlite(session.info["exgrpo_connection"][1])
 
 
 def _checked_out(db: Database) -> int:
@@ -363,3 +365,88 @@ async def test_concurrent_hot_reads_keep_at_most_a_few_sessions(tmp_path: Path) 
     finally:
         await db.close()
     assert _checked_out(db) == 0
+
+
+async def _hot_write(db: Database, sql: str) -> tuple[AsyncSession, sqlite3.Connection]:
+    """A hot write of `sql` through the repo's driver statements (as the hot path writes): its
+    session, and the `sqlite3` connection it ran on."""
+    with db.hot():
+        async with db.write() as session:
+            conn = await repo._connection(session)
+            await repo._driver_write(conn, sql, ())
+            raw = repo.inline_sqlite(conn)
+            assert raw is not None and raw.in_transaction
+    return session, raw
+
+
+def _counter_on_disk(tmp_path: Path) -> int:
+    """The counter as another connection reads it: what was committed."""
+    with contextlib.closing(sqlite3.connect(tmp_path / "pool.db")) as other:
+        return int(other.execute("SELECT n FROM counter").fetchone()[0])
+
+
+async def test_hot_writes_share_one_kept_session_and_connection(tmp_path: Path) -> None:
+    """One hot write after another runs in the same session on the same connection, which stays
+    checked out in between with no transaction open on it; each write is committed when its block
+    ends, and the database's close gives the connection back."""
+    db = Database(_url(tmp_path), sqlite_inline=True)
+    try:
+        await _counter_table(db)
+        assert _checked_out(db) == 0
+        first, raw = await _hot_write(db, "UPDATE counter SET n = n + 1")
+        assert _counter_on_disk(tmp_path) == 1
+        assert _checked_out(db) == 1 and db._writer is first
+        assert not raw.in_transaction and not first.in_transaction()
+        second, raw_again = await _hot_write(db, "UPDATE counter SET n = n + 1")
+        assert second is first and raw_again is raw
+        assert _counter_on_disk(tmp_path) == 2 and _checked_out(db) == 1
+        # a read on the hot path sees both
+        _, n = await _read_counter(db)
+        assert n == 2
+    finally:
+        await db.close()
+    assert _checked_out(db) == 0 and db._writer is None
+
+
+async def test_a_hot_write_that_fails_is_undone_and_its_session_not_kept(tmp_path: Path) -> None:
+    """A hot write whose block raises is rolled back; its session is closed and its connection
+    given back, and the next hot write runs in a new one."""
+    db = Database(_url(tmp_path), sqlite_inline=True)
+    try:
+        await _counter_table(db)
+        kept, _ = await _hot_write(db, "UPDATE counter SET n = 5")
+        with db.hot(), pytest.raises(ZeroDivisionError):
+            async with db.write() as session:
+                assert session is kept
+                await repo._driver_write(await repo._connection(session), "UPDATE counter SET n = 9", ())
+                _ = 1 / 0
+        assert _counter_on_disk(tmp_path) == 5
+        assert db._writer is None and _checked_out(db) == 0
+        after, _ = await _hot_write(db, "UPDATE counter SET n = n + 1")
+        assert after is not kept and _counter_on_disk(tmp_path) == 6
+    finally:
+        await db.close()
+
+
+async def test_a_hot_writes_orm_objects_are_let_go_when_it_ends(tmp_path: Path) -> None:
+    """What a kept write session loaded is not in it at the next write (a close lets it go): the
+    next write reads rows again and never an object as the write before left it."""
+    from exgrpo_pool.store import db as dbmod
+    from exgrpo_pool.store.models import Pool
+
+    url = _url(tmp_path)
+    await asyncio.to_thread(dbmod.upgrade, url)
+    db = Database(url, sqlite_inline=True)
+    try:
+        with db.hot():
+            async with db.write() as session:
+                session.add(Pool(name="p", config={"k": 8}))
+            async with db.write() as session:
+                pool = (await session.execute(select(Pool))).scalar_one()
+                assert pool in session
+            assert not session.identity_map and db._writer is session
+            async with db.write() as again:
+                assert again is session and pool not in again
+                assert (await again.execute(select(Pool))).scalar_one() is not pool
+    finally:
+        await db.close()

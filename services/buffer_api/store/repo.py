@@ -158,7 +158,7 @@ async def _driver_rows(conn: AsyncConnection, sql: str, args: Sequence[Any]) -> 
     cost ~0.1 ms more and a read of ~400 trajectories ~0.8 ms more (its execution context, the
     greenlet hops, a Row per row), 5-8% of a plan's or a selection's CPU; on Postgres on asyncpg
     (`pg_direct`). Its errors are SQLAlchemy's all the same."""
-    inline = _inline_sqlite(conn)
+    inline = inline_sqlite(conn)
     if inline is None:
         adapt = _asyncpg(conn)
         if adapt is None:
@@ -212,7 +212,7 @@ def held_idle(session: AsyncSession) -> bool | None:
     conn = held[1]
     if conn.closed:
         return False
-    raw = _inline_sqlite(conn)
+    raw = inline_sqlite(conn)
     if raw is not None:
         return not raw.in_transaction
     adapt = _asyncpg(conn)
@@ -222,7 +222,7 @@ def held_idle(session: AsyncSession) -> bool | None:
     return not pg.is_closed() and not pg.is_in_transaction()
 
 
-def _inline_sqlite(conn: AsyncConnection) -> sqlite3.Connection | None:
+def inline_sqlite(conn: AsyncConnection) -> sqlite3.Connection | None:
     """The `sqlite3` connection under a connection of the inline SQLite driver (None: another
     driver). The connection is checked out already: reading it does no I/O."""
     sync = conn.sync_connection
@@ -289,7 +289,7 @@ async def _driver_write(conn: AsyncConnection, sql: str, args: Sequence[Any], *,
     """Run a driver statement that returns no rows (`many`: once per parameter set in `args`);
     the rows it changed. On the hot path's SQLite connections straight on `sqlite3`, as
     `_driver_rows` reads, with SQLAlchemy's errors all the same."""
-    inline = _inline_sqlite(conn)
+    inline = inline_sqlite(conn)
     if inline is None:
         adapt = _asyncpg(conn)
         if adapt is None:
@@ -374,7 +374,7 @@ def _compiled_once(stmt: Any, dialect: Any, keys: tuple[str, ...] | None) -> _Co
 def _direct(conn: AsyncConnection) -> bool:
     """Whether `conn` runs driver statements without SQLAlchemy (`_driver_rows`, `_driver_write`):
     the hot path's SQLite connections, or Postgres through an adapter `pg_direct` can use."""
-    return _inline_sqlite(conn) is not None or _asyncpg(conn) is not None
+    return inline_sqlite(conn) is not None or _asyncpg(conn) is not None
 
 
 async def _core_rows(session: AsyncSession, stmt: Any, params: dict[str, Any]) -> Sequence[Any]:
@@ -1433,7 +1433,7 @@ async def run_trajectory_counts(
         return out
     ids = sorted(set(run_ids))
     conn = await _connection(session)
-    inline = _inline_sqlite(conn)
+    inline = inline_sqlite(conn)
     q = _Sql(conn)
     (bound_since,) = _bound(conn, _traj_t, ("created_at",))((since,))
     totals = (
