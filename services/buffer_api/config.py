@@ -6,6 +6,7 @@ Declared once here, validated at start-up and printed (secrets masked) by `exgrp
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
@@ -197,15 +198,22 @@ class Settings(BaseSettings):
 
     @property
     def loopback(self) -> bool:
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return False
+        return _is_loopback(self.host)
 
     def public_dict(self) -> dict[str, Any]:
         """What is printed at start-up: everything but secrets."""
         d = self.model_dump()
         d["tokens"] = [{"name": t.name, "scopes": t.scopes} for t in self.tokens]
         return {k: mask_url(v) if isinstance(v, str) else v for k, v in d.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def _is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (asked by every anonymous request: parsing the
+    address each time cost ~3 us)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -227,13 +227,23 @@ def test_models_go_through_frames_with_their_payloads() -> None:
     body, payloads = frames.decode(frames.encode_model(commit))
     assert body["metrics"] == {"loss": 0.5}
     assert all(not set(frames.JSON_FIELDS) & set(r) for g in body["groups"] for r in g["rollouts"])
-    back = s.BatchCommit.model_validate(body)
-    frames.attach(back, payloads)
-    assert [r._packed for g in back.groups for r in g.rollouts] == [
+    want = [
         (s.ids_bytes([5, 6, 7]), s.logprobs_bytes([-0.5, -0.25, -1.0])),
         None,
         (s.ids_bytes([9]), s.logprobs_bytes([-2.0])),
     ]
+    back = s.BatchCommit.model_validate(body)
+    frames.attach(back, payloads)
+    assert [r._packed for g in back.groups for r in g.rollouts] == want
+    # as views into the frame's buffers (the service's request path): the same bytes, no copy
+    viewed = s.BatchCommit.model_validate(body)
+    frames.attach(viewed, payloads, views=True)
+    packed = [r._packed for g in viewed.groups for r in g.rollouts]
+    assert [None if p is None else (bytes(p[0]), bytes(p[1])) for p in packed] == want
+    assert all(isinstance(v, memoryview) for p in packed if p is not None for v in p)
+    assert packed == [None if v is None else (v[0], v[1]) for v in payloads.views()]
+    with pytest.raises(ValueError):  # a model with another number of payload slots
+        frames.attach(s.BatchCommit.model_validate({"groups": body["groups"][:1]}), payloads, views=True)
     with pytest.raises(TypeError):
         frames.encode_model(s.SelectRequest(n=1))
 

@@ -204,3 +204,25 @@ def test_a_list_of_token_ids_is_refused_at_its_first_wrong_id() -> None:
     with pytest.raises(ValidationError) as e:
         s.BatchCommit.model_validate({"groups": [{"question_id": 1, "rollouts": [fields]}]})
     assert [loc for loc, _ in _errors(e.value)] == [("groups", 0, "rollouts", 0, "token_ids", 7)]
+
+
+def test_the_whole_request_check_agrees_with_each_rollouts_rules() -> None:
+    """A request checks all its rollouts at once (`_rules_hold`) and names the ones that break a
+    rule one by one (`_rollout_rules`) only when one does: both say the same of every rollout, any
+    reward, text and way of giving (or not) each payload field."""
+    import itertools
+
+    fields = ("token_ids", "token_ids_b64", "logprobs", "logprobs_b64")
+    values = {"token_ids": [1, 2, 3], "token_ids_b64": IDS, "logprobs": [-0.5] * 3, "logprobs_b64": LPS}
+    rollouts = []
+    for given in itertools.product([False, True], repeat=len(fields)):
+        for reward, text in itertools.product([0.0, 1.0, -0.0, 0.5], [None, "ok", "a\x00"]):
+            payload = {f: values[f] for f, g in zip(fields, given, strict=True) if g}
+            rollouts.append(s.RolloutResult.model_construct(reward=reward, text=text, **payload))
+    kept = [not s._rollout_rules(r, ()) for r in rollouts]
+    assert 0 < sum(kept) < len(kept)  # both kinds among them
+    assert [s._rules_hold([r]) for r in rollouts] == kept
+    good = [r for r, ok in zip(rollouts, kept, strict=True) if ok]
+    assert s._rules_hold(good)
+    for bad in (r for r, ok in zip(rollouts, kept, strict=True) if not ok):
+        assert not s._rules_hold([*good, bad])
