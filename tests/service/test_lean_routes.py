@@ -142,7 +142,11 @@ def _writes(batch: str, groups: dict[str, Any]) -> list[tuple[str, bytes, dict[s
             (path, b"", JSON),
             (path, b"{", JSON),
             (path, b"[1, 2]", JSON),
+            (path, b'"groups"', JSON),
             (path, b'{"groups": []}', JSON),
+            # parts that are no object where a model is (FastAPI's errors name other types there)
+            (path, b'{"groups": ["x"]}', JSON),
+            (path, json.dumps({"groups": [{"question_id": 1, "rollouts": ["x", 1.0]}]}).encode(), JSON),
             (path, json.dumps({"groups": [group(first["question_id"], half)]}).encode(), JSON),
             (path, json.dumps({"groups": [{"question_id": 1}]}).encode(), JSON),
             (path, json.dumps({**groups, "extra": 1}).encode(), JSON),
