@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 from sqlalchemy import select, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from exgrpo_pool.app import create_app
@@ -448,5 +449,44 @@ async def test_a_hot_writes_orm_objects_are_let_go_when_it_ends(tmp_path: Path) 
             async with db.write() as again:
                 assert again is session and pool not in again
                 assert (await again.execute(select(Pool))).scalar_one() is not pool
+    finally:
+        await db.close()
+
+
+async def test_a_write_inside_a_transaction_flushes_what_it_changed_and_only_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `write()` joined to a `transaction()` flushes its ORM changes when its block ends, so an
+    error they cause surfaces in that block; a block that changed no ORM object (the hot path's
+    driver statements) has nothing to flush and does not ask the session to."""
+    from exgrpo_pool.store import db as dbmod
+    from exgrpo_pool.store.models import Pool
+
+    url = _url(tmp_path)
+    await asyncio.to_thread(dbmod.upgrade, url)
+    db = Database(url, sqlite_inline=True)
+    flushes: list[AsyncSession] = []
+    real_flush = AsyncSession.flush
+
+    async def counted(self: AsyncSession, *args: Any, **kw: Any) -> None:
+        flushes.append(self)
+        await real_flush(self, *args, **kw)
+
+    monkeypatch.setattr(AsyncSession, "flush", counted)
+    try:
+        with db.hot(), pytest.raises(RuntimeError):
+            async with db.transaction():
+                async with db.write() as session:
+                    await repo._driver_rows(await repo._connection(session), "SELECT 1", ())
+                assert flushes == []
+                async with db.write() as session:
+                    session.add(Pool(name="p", config={"k": 8}))
+                assert flushes == [session]
+                with pytest.raises(IntegrityError):  # in the block that added the duplicate
+                    async with db.write() as session:
+                        session.add(Pool(name="p", config={"k": 8}))
+                raise RuntimeError("the transaction is rolled back")
+        async with db.write() as session:
+            assert (await session.execute(select(Pool))).all() == []
     finally:
         await db.close()

@@ -260,8 +260,11 @@ class Database:
         shared = self._joined()
         if shared is not None:
             yield shared.session
-            # a unique violation or the like surfaces in the block that caused it
-            await shared.session.flush()
+            # a unique violation or the like surfaces in the block that caused it (a block that
+            # added, changed or deleted no ORM object has nothing to flush: no hop into the session)
+            session = shared.session
+            if session.new or session.dirty or session.deleted:
+                await session.flush()
             return
         lock = self._write_lock or contextlib.nullcontext()
         async with lock:
