@@ -49,7 +49,8 @@ WAL_AUTOCHECKPOINT_PAGES = 16_384
 SQLITE_CACHE_MB = 64
 
 #: hot reads' sessions kept open with their connections, at most (`Database._warm_read`): the
-#: hot engine's pool has 5 connections and 10 more on demand
+#: hot engine's pool has 5 connections and 10 more on demand, and the hot writes keep one of them
+#: (`Database._kept_write`)
 WARM_READS = 4
 
 #: Postgres: the tallies' rows are folded (`repo.fold_tallies`) after this many writes
