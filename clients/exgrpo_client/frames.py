@@ -18,7 +18,7 @@ three buffers), never per rollout. See docs/api.md ("Binary frames").
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -88,9 +88,20 @@ class Payloads:
         """Each slot's (ids, log-probs) as byte views into the frame's buffers, or None: no copy,
         but each keeps the whole frame alive (a request's, read while it lasts; `chunks` for
         payloads kept longer)."""
+        return list(self.iter_views())
+
+    def iter_views(self) -> Iterator[tuple[memoryview, memoryview] | None]:
+        """`views`, each slot's made as it is asked for (`attach` hands them on in one pass)."""
         ids = np.ascontiguousarray(self.token_ids).data.cast("B")
         lps = np.ascontiguousarray(self.logprobs).data.cast("B")
-        return [None if sp is None else (ids[sp[0] : sp[1]], lps[sp[0] : sp[1]]) for sp in self._spans(4)]
+        at = 0
+        for n in self.lengths.tolist():
+            if n < 0:
+                yield None
+                continue
+            end = at + 4 * n
+            yield ids[at:end], lps[at:end]
+            at = end
 
     def arrays(self) -> list[Arrays | None]:
         """Each slot's (ids, log-probs), views into the frame's buffers, or None."""
@@ -344,19 +355,8 @@ def attach(model: BaseModel, payloads: Payloads, *, views: bool = False) -> None
     else:
         raise TypeError(f"{type(model).__name__} has no payload slots")
     set_packed = s.set_packed
-    if views:
-        # `payloads.views()` handed out as they are made, in one pass over the slots
-        ids = np.ascontiguousarray(payloads.token_ids).data.cast("B")
-        lps = np.ascontiguousarray(payloads.logprobs).data.cast("B")
-        at = 0
-        for item, n in zip(items, payloads.lengths.tolist(), strict=True):
-            if n >= 0:
-                end = at + 4 * n
-                # byte views where bytes go: every reader takes a buffer
-                view: Any = (ids[at:end], lps[at:end])
-                set_packed(item, view)
-                at = end
-        return
-    for item, packed in zip(items, payloads.chunks(), strict=True):
+    # byte views where bytes go (every reader takes a buffer), handed on as they are made
+    given: Iterable[Any] = payloads.iter_views() if views else payloads.chunks()
+    for item, packed in zip(items, given, strict=True):
         if packed is not None:
             set_packed(item, packed)

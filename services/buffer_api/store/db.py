@@ -264,7 +264,7 @@ class Database:
             # a unique violation or the like surfaces in the block that caused it (a block that
             # added, changed or deleted no ORM object has nothing to flush: no hop into the session)
             session = shared.session
-            if session.new or session.dirty or session.deleted:
+            if _changed(session):
                 await session.flush()
             return
         lock = self._write_lock or contextlib.nullcontext()
@@ -273,7 +273,7 @@ class Database:
                 async with self._kept_write() as session:
                     yield session
             else:
-                async with self._session() as session, session.begin():
+                async with self._sessions()() as session, session.begin():
                     await self._begin(session)
                     yield session
         faults.committed()
@@ -408,7 +408,7 @@ class Database:
             async with self._warm_read() as session:
                 yield session
             return
-        async with self._session(read=True) as session:
+        async with self._sessions(read=True)() as session:
             yield session
 
     @contextlib.asynccontextmanager
@@ -438,11 +438,7 @@ class Database:
             yield session
             idle = repo.held_idle(session)
             clean = not session.in_transaction() if idle is None else idle
-            if (
-                clean
-                and not (session.new or session.dirty or session.deleted)
-                and len(self._warm) < WARM_READS
-            ):
+            if clean and not _changed(session) and len(self._warm) < WARM_READS:
                 session.expunge_all()
                 self._warm.append(session)
                 kept = True
@@ -451,25 +447,9 @@ class Database:
                 if self.hot_engine is None:  # asyncpg: closed in a task shielded from cancellation
                     await asyncio.shield(session.close())
                 else:
+                    # the inline driver's close never waits (`sqlite3`'s ROLLBACK finds no lock to
+                    # wait for): awaited itself, without a shielded task (~70 us, two loop turns)
                     await session.close()
-
-    @contextlib.asynccontextmanager
-    async def _session(self, *, read: bool = False) -> AsyncIterator[AsyncSession]:
-        """A session of `_sessions(read=read)`, closed when the block ends. SQLAlchemy's `async with` closes
-        a session in a task it shields from cancellation: ~70 us and two more turns of the event
-        loop per request. The inline SQLite driver's close never waits (it calls `sqlite3`, whose
-        ROLLBACK finds no lock to wait for), so nothing can cancel it halfway: its sessions are
-        closed by awaiting the close itself. Every other driver keeps the shielded close."""
-        sessions = self._sessions(read=read)
-        if self.hot_engine is None or sessions is not self.hot_sessions:
-            async with sessions() as session:
-                yield session
-            return
-        session = sessions()
-        try:
-            yield session
-        finally:
-            await session.close()
 
     @contextlib.asynccontextmanager
     async def transaction(self, group: Hashable | None = None) -> AsyncIterator[AsyncSession]:
@@ -618,6 +598,11 @@ class Database:
         await self.engine.dispose()
 
 
+def _changed(session: AsyncSession) -> bool:
+    """Whether the session holds ORM objects added, changed or deleted and not yet flushed."""
+    return bool(session.new or session.dirty or session.deleted)
+
+
 def _reusable(session: AsyncSession) -> bool:
     """Whether a hot write's session, its transaction committed, may serve the next hot write: its
     connection open and valid, with no transaction left on it, in SQLAlchemy or in `sqlite3`, and
@@ -627,10 +612,7 @@ def _reusable(session: AsyncSession) -> bool:
         return False
     raw = repo.inline_sqlite(conn)
     return (
-        raw is not None
-        and not raw.in_transaction
-        and not session.in_transaction()
-        and not (session.new or session.dirty or session.deleted)
+        raw is not None and not raw.in_transaction and not session.in_transaction() and not _changed(session)
     )
 
 
