@@ -32,7 +32,7 @@ from exgrpo_pool.service.leases import (
     require_run,
     run_for_write,
 )
-from exgrpo_pool.service.stats import collect_run_stats, collect_runs_stats
+from exgrpo_pool.service.stats import runs_stats
 from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import PolicyVersion, Pool, Run, is_pool_scope, pool_scope, utcnow
 
@@ -313,24 +313,33 @@ async def list_run_metrics(
 
 # ------------------------------------------------------------------------------------- stats
 # (polled by dashboards and trainers: plain rows, on the hot path's connections, bounded work)
-async def run_stats(ctx: Context, pool_name: str, name: str) -> s.RunStats:
+async def run_stats(ctx: Context, pool_name: str, name: str) -> bytes:
+    """The run's stats as `s.RunStats` JSON, written from plain values (`runs_stats`)."""
     async with ctx.db.read() as session:
         pool, run = await read_run(session, pool_name, name)
-        return await collect_run_stats(ctx, session, pool, run)
+        return jsonwrite.dumps((await runs_stats(ctx, session, pool, [run]))[0])
 
 
-async def pool_stats(ctx: Context, pool_name: str) -> s.PoolStats:
+async def pool_stats(ctx: Context, pool_name: str) -> bytes:
+    """The pool's stats as `s.PoolStats` JSON, written from plain values (`runs_stats`)."""
     async with ctx.db.read() as session:
         found = await repo.pool_with_totals(session, pool_name)
         if found is None:
             raise missing_pool(pool_name)
         pool, (nq, nt, nr, tokens) = found
-        runs = await collect_runs_stats(ctx, session, pool, await repo.run_rows_of_pool(session, pool.id))
+        runs = await runs_stats(ctx, session, pool, await repo.run_rows_of_pool(session, pool.id))
     ctx.metrics.pool_questions.labels(pool.name).set(nq)
     ctx.metrics.pool_trajectories.labels(pool.name).set(nt)
-    return s.PoolStats(
-        pool=pool.name, num_questions=nq, num_trajectories=nt, num_tokens=tokens, num_runs=nr, runs=runs
-    )
+    # the fields of `s.PoolStats` in its order
+    answer = {
+        "pool": pool.name,
+        "num_questions": nq,
+        "num_trajectories": nt,
+        "num_tokens": tokens,
+        "num_runs": nr,
+        "runs": runs,
+    }
+    return jsonwrite.dumps(answer)
 
 
 async def rebuild_pool_index(ctx: Context, pool: Pool) -> dict[str, int]:

@@ -253,18 +253,26 @@ def _sqlite_json(value: Any) -> Any:
     return jsonread.loads(value)
 
 
+@functools.lru_cache(maxsize=64)
+def _bind_processors(
+    dialect: Any, table: Any, names: tuple[str, ...]
+) -> tuple[tuple[int, Callable[[Any], Any]], ...]:
+    """What SQLAlchemy does to a value bound to each of `names` (by place; columns it leaves alone
+    left out), worked out once per dialect (the polled stats bound a timestamp every request)."""
+    impls = [table.c[n].type.dialect_impl(dialect) for n in names]
+    # SQLite's driver takes bytes for a BLOB as they are (SQLAlchemy wraps each in a memoryview)
+    raw = dialect.name == "sqlite"
+    found = [None if raw and isinstance(t, LargeBinary) else t.bind_processor(dialect) for t in impls]
+    return tuple((i, p) for i, p in enumerate(found) if p is not None)
+
+
 def _bound(
     conn: AsyncConnection, table: Any, names: Sequence[str]
 ) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
     """A row's values (in the order of `names`) as SQLAlchemy would bind them to its columns (a
     timestamp as SQLite's text, a JSON value as its text), for a driver statement. A timestamp is
     converted once per distinct value (the rows of one request share theirs)."""
-    dialect = conn.dialect
-    impls = [table.c[n].type.dialect_impl(dialect) for n in names]
-    # SQLite's driver takes bytes for a BLOB as they are (SQLAlchemy wraps each in a memoryview)
-    raw = dialect.name == "sqlite"
-    found = [None if raw and isinstance(t, LargeBinary) else t.bind_processor(dialect) for t in impls]
-    procs = [(i, p) for i, p in enumerate(found) if p is not None]
+    procs = _bind_processors(conn.dialect, table, tuple(names))
     stamps: dict[tuple[datetime, Any], Any] = {}
 
     def bind(values: Sequence[Any]) -> tuple[Any, ...]:
