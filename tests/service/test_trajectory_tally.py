@@ -93,9 +93,13 @@ async def test_an_insert_counts_what_it_stored_in_the_tally(backend: Backend) ->
         third = [_row(pool, q3, None, 13, 5), _row(pool, q3, run, 7, 3)]
         assert await _insert(db, third, hot=False) == 1
         assert await _tally(db, pool) == {run: (3, 21), 0: (2, 18)}
+        # every row new, one cell (a request's rows, always)
+        fourth = [_row(pool, q1, run, 2, 6), _row(pool, q3, run, 4, 7)]
+        assert await _insert(db, fourth, hot=True) == 2
+        assert await _tally(db, pool) == {run: (5, 27), 0: (2, 18)}
         # nothing stored, nothing counted
         assert await _insert(db, first, hot=True) == 0
-        assert await _tally(db, pool) == {run: (3, 21), 0: (2, 18)}
+        assert await _tally(db, pool) == {run: (5, 27), 0: (2, 18)}
         async with db.sessions() as session:
             assert [d for d in await repo.tally_drift(session) if d.tally == "trajectory_tally"] == []
     finally:

@@ -1185,7 +1185,7 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
     per cell (no row trigger: migration 0013); no per-row statement building in SQLAlchemy."""
     # one order for every writer (stable: a question's rollouts keep theirs), so two transactions
     # inserting the same trajectories wait for each other instead of deadlocking
-    rows = sorted(rows, key=lambda r: r["question_id"])
+    rows = sorted(rows, key=itemgetter("question_id"))
     if not rows:
         return 0
     conn = await _connection(session)
