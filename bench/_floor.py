@@ -52,6 +52,7 @@ import uvicorn
 
 from exgrpo_client import frames
 from exgrpo_client import schemas as s
+from exgrpo_pool import app as service_app
 from exgrpo_pool.app import keep_freed_memory
 from exgrpo_pool.domain import (
     GroupAction,
@@ -1078,9 +1079,11 @@ async def _connect(url: str) -> Db:
 def main() -> None:
     url = os.environ["FLOOR_DATABASE"]
     port = int(os.environ["FLOOR_PORT"])
-    # the allocator setting of a serving process (`exgrpo serve`): a process-wide setting, not
-    # part of the work compared
+    # the allocator and collector settings of a serving process (`exgrpo serve`): process-wide
+    # settings, not part of the work compared
     keep_freed_memory()
+    # (an older service tree first on the path, `--service-src`, may not have it)
+    getattr(service_app, "collect_young_less_often", lambda: None)()
 
     class Lazy:
         """Connects in uvicorn's event loop (asyncpg binds a connection to its loop)."""

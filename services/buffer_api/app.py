@@ -428,6 +428,23 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+#: young container objects (made and not freed yet) that set off the collector's youngest pass in
+#: a serving process. At Python's 700 a commit's ~10k live objects (its rollouts as models, their
+#: rows) were walked by a pass every 700 of them and moved to older generations while the request
+#: built them, and those older generations were then walked too: 0.6-0.9 ms of a commit's CPU,
+#: 0.4-0.6 ms of a plan's (`Server-Timing` gc in `bench/pool_bench.py`). At this many a request's
+#: objects are freed before any pass sees them; a pass still comes once the objects nothing frees
+#: but a collection (reference cycles) reach the number, and walks what is alive then.
+YOUNG_OBJECTS_PER_PASS = 100_000
+
+
+def collect_young_less_often() -> None:
+    """Raise the count of young objects that sets off a collection to `YOUNG_OBJECTS_PER_PASS`
+    (never lower it); the older generations' thresholds stay."""
+    young, middle, old = gc.get_threshold()
+    gc.set_threshold(max(young, YOUNG_OBJECTS_PER_PASS), middle, old)
+
+
 #: glibc's `mallopt` parameters (malloc.h): the size from which an allocation gets pages of its
 #: own, and how much free memory at the top of the heap is kept rather than given back
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -534,9 +551,10 @@ def add_routers(app: FastAPI, *routers: APIRouter) -> None:
 
 
 def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
-    """The service. `freeze_heap`: once started, `settle_heap()` and `keep_freed_memory()` (for a
-    process that serves and does nothing else, as `exgrpo serve`; not for tests that build many
-    apps in one process, whose frozen objects would never be collected)."""
+    """The service. `freeze_heap`: once started, `settle_heap()`, `collect_young_less_often()` and
+    `keep_freed_memory()` (for a process that serves and does nothing else, as `exgrpo serve`; not
+    for tests that build many apps in one process, whose frozen objects would never be
+    collected)."""
     for name in SERVICE_LOGGERS:
         logging.getLogger(name).setLevel(settings.log_level)
     metrics = Metrics()
@@ -549,6 +567,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         indexed = await rebuild_all(ctx)
         if freeze_heap:
             settle_heap()
+            collect_young_less_often()
             keep_freed_memory()
         log.info(
             "pool service ready",

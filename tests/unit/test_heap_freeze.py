@@ -12,7 +12,7 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
-from exgrpo_pool.app import create_app
+from exgrpo_pool.app import YOUNG_OBJECTS_PER_PASS, collect_young_less_often, create_app
 from exgrpo_pool.config import Settings
 
 
@@ -24,6 +24,7 @@ def _settings(tmp_path: Path) -> Settings:
 
 async def test_a_serving_app_freezes_what_start_up_left(tmp_path: Path) -> None:
     gc.unfreeze()
+    thresholds = gc.get_threshold()
     try:
         app = create_app(_settings(tmp_path), freeze_heap=True)
         assert gc.get_freeze_count() == 0
@@ -40,12 +41,32 @@ async def test_a_serving_app_freezes_what_start_up_left(tmp_path: Path) -> None:
                 assert gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
 
 async def test_an_app_in_another_program_freezes_nothing(tmp_path: Path) -> None:
     gc.unfreeze()
+    before = gc.get_threshold()
     async with LifespanManager(create_app(_settings(tmp_path))):
         assert gc.get_freeze_count() == 0
+        assert gc.get_threshold() == before  # nor changes when the collector runs
+
+
+async def test_a_serving_app_collects_young_objects_less_often(tmp_path: Path) -> None:
+    """A commit's ~10k objects are freed before the collector's youngest pass sees them; the
+    older generations' thresholds stay."""
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        async with LifespanManager(create_app(_settings(tmp_path), freeze_heap=True)):
+            assert gc.get_threshold() == (YOUNG_OBJECTS_PER_PASS, 10, 10)
+            assert YOUNG_OBJECTS_PER_PASS >= 50_000
+            gc.set_threshold(200_000, 5, 5)
+            collect_young_less_often()  # never lowers it
+            assert gc.get_threshold() == (200_000, 5, 5)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 # A serving process keeps the memory its requests free for the next ones. glibc gives a freed
@@ -66,7 +87,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 _SERVING = """
 import asyncio, sys
 from asgi_lifespan import LifespanManager
-from exgrpo_pool.app import create_app
+from exgrpo_pool.app import YOUNG_OBJECTS_PER_PASS, collect_young_less_often, create_app
 from exgrpo_pool.config import Settings
 settings = Settings(allow_anonymous=True, database_url=f"sqlite+aiosqlite:///{sys.argv[1]}/pool.db",
                     log_level="WARNING")
