@@ -81,14 +81,30 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def family(pid: int) -> list[int]:
+    """`pid` and every process below it (`exgrpo serve --workers N`: the supervisor and its
+    workers), from each thread's `children` list (Linux)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+    return out
+
+
 def memory_mb(pid: int) -> dict[str, float]:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) / 1024
-    return {"rss": round(out.get("VmRSS", 0.0), 1), "peak": round(out.get("VmHWM", 0.0), 1)}
+    """Resident and peak resident size of a process and the processes below it, summed."""
+    out = {"VmRSS": 0.0, "VmHWM": 0.0}
+    for p in family(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{p}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in out:
+                    out[key] += int(value.split()[0]) / 1024
+    return {"rss": round(out["VmRSS"], 1), "peak": round(out["VmHWM"], 1)}
 
 
 @dataclass
@@ -275,11 +291,14 @@ def _server_timing(header: str | None) -> dict[str, float]:
 
 
 def cpu_ms(pid: int) -> float:
-    """CPU time of every thread of a process so far (scheduler nanoseconds, not clock ticks)."""
+    """CPU time so far of every thread of a process and of the processes below it (a service's
+    workers), in scheduler nanoseconds, not clock ticks. A worker that exited no longer counts."""
     total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as f:
-            total += int(f.read().split()[0])
+    for p in family(pid):
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{p}/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[0])
     return total / 1e6
 
 
