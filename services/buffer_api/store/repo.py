@@ -236,15 +236,16 @@ def _result_processor(conn: AsyncConnection, column: Any) -> Callable[[Any], Any
     """What SQLAlchemy does to a column's driver value (None: nothing)."""
     dialect = conn.dialect
     if dialect.name == "sqlite" and isinstance(column.type, JSON):
-        return _sqlite_json
+        return _json_value
     processor: Callable[[Any], Any] | None = column.type.dialect_impl(dialect).result_processor(dialect, None)
     return processor
 
 
-def _sqlite_json(value: Any) -> Any:
-    """A SQLite JSON column's value as SQLAlchemy's processor reads it on the service's engines
-    (their `json_deserializer`, `jsonread.loads`; a number, as SQLite's JSON functions answer,
-    as it is), in one call where SQLAlchemy makes three: a page of 50 questions reads 100
+def _json_value(value: Any) -> Any:
+    """A JSON column's value given as its text (SQLite's JSON columns; a Postgres JSONB column
+    read `::text`) as SQLAlchemy's processor reads it on the service's engines (their
+    `json_deserializer`, `jsonread.loads`; a number, as SQLite's JSON functions answer, as it is;
+    NULL: None), in one call where SQLAlchemy makes three: a page of 50 questions reads 100
     (`tests/unit/test_sqlite_json_reader.py`)."""
     if value is None:
         return None
@@ -589,7 +590,7 @@ async def question_page(session: AsyncSession, pool_name: str, after: int, limit
     prompt: Callable[[Any], Any]
     meta: Callable[[Any], Any]
     if q.pg:
-        prompt = meta = _json_text
+        prompt = meta = _json_value
     else:
         prompt = _result_processor(conn, _question_t.c.prompt) or _as_is
         meta = _result_processor(conn, _question_t.c["metadata"]) or _as_is
@@ -600,11 +601,6 @@ async def question_page(session: AsyncSession, pool_name: str, after: int, limit
 def _as_is(value: Any) -> Any:
     """A column's driver value where SQLAlchemy does nothing to it."""
     return value
-
-
-def _json_text(value: str | None) -> Any:
-    """A JSON column read as its text, as the engine's JSON reader reads it (NULL: None)."""
-    return None if value is None else jsonread.loads(value)
 
 
 async def pool_exists(session: AsyncSession, name: str) -> bool:
