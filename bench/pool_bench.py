@@ -226,8 +226,8 @@ def start_server(
         EXGRPO_PORT=str(port),
         FLOOR_PORT=str(port),
         EXGRPO_BENCH_TIMING="1",
-        **env_extra,
     )
+    env.update(env_extra)
     if profile_path is not None:
         env["EXGRPO_BENCH_PROFILE"] = str(profile_path)
     if script == SERVE and SERVICE_WORKERS > 1:

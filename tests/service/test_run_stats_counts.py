@@ -5,7 +5,7 @@ pool's runs at once."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,33 @@ async def _two_runs_trained(client: httpx.AsyncClient) -> None:
     for run in ("r1", "r2", "r1"):
         plan = await plan_batch(client, run=run)
         ok(await commit_batch(client, plan, make_groups(plan, HALF)))
+
+
+def _steps_counted(
+    marker: str, record: Callable[[int, list[Any]], None]
+) -> Callable[[sqlite3.Connection, str, Sequence[Any]], Awaitable[list[Any]]]:
+    """`sqlite_inline.fetch_all` (as it is now) that gives `record` the virtual machine steps and
+    the rows of each statement with `marker` in its text, counted with a progress handler."""
+    fetch_all = sqlite_inline.fetch_all
+
+    async def counted(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any]) -> list[Any]:
+        if marker not in sql:
+            return await fetch_all(conn, sql, parameters)
+        steps = [0]
+
+        def tick() -> int:
+            steps[0] += 1
+            return 0
+
+        conn.set_progress_handler(tick, 1)
+        try:
+            rows = await fetch_all(conn, sql, parameters)
+        finally:
+            conn.set_progress_handler(None, 0)
+        record(steps[0], rows)
+        return rows
+
+    return counted
 
 
 async def test_trajectories_and_those_of_the_last_five_minutes(backend: Backend) -> None:
@@ -97,24 +124,69 @@ async def test_a_run_past_the_loops_share_is_counted_off_the_loop_exactly(
         off_loop.append(sql)
         return await counted(conn, sql, parameters)
 
+    stopped: list[str] = []
+    within = sqlite_inline.fetch_all_within
+
+    async def spied_within(conn: Any, sql: str, parameters: Sequence[Any], steps: int) -> list[Any] | None:
+        rows = await within(conn, sql, parameters, steps)
+        if rows is None:
+            stopped.append(sql)
+        return rows
+
     monkeypatch.setattr(sqlite_inline, "fetch_all_off_loop", spied)
+    monkeypatch.setattr(sqlite_inline, "fetch_all_within", spied_within)
     async with serve(backend.settings()) as client:
         await _two_runs_trained(client)
         before = {run: await run_stats(client, run=run) for run in ("r1", "r2")}
-        assert not off_loop and all(s["trajectories"] > 3 for s in before.values())
+        assert not off_loop and not stopped and all(s["trajectories"] > 3 for s in before.values())
         monkeypatch.setattr(repo, "RECENT_ON_LOOP", 3)
         after = {run: await run_stats(client, run=run) for run in ("r1", "r2")}
         every = {r["run"]: r for r in (await pool_stats(client))["runs"]}
-        # a commit that asks for its run's stats counts the same way, inside its transaction
+        # a commit that asks for its run's stats counts the same way, inside its transaction: its
+        # count, not known to be long, is stopped on the loop there, and the commit stands
+        monkeypatch.setattr(repo, "_COUNTED_OFF_LOOP", set())
         plan = await plan_batch(client, run="r2")
         committed = ok(await commit_batch(client, plan, {**make_groups(plan, HALF), "with_stats": True}))
+        later = await run_stats(client, run="r2")
     for run in ("r1", "r2"):
         assert after[run] == before[run] and every[run] == before[run]
         assert before[run]["ingest_per_minute"] == before[run]["trajectories"] / 5.0
     assert committed["stats"]["ingest_per_minute"] == committed["stats"]["trajectories"] / 5.0
     assert committed["stats"]["trajectories"] > before["r2"]["trajectories"]
-    # two run stats, the pool's (both runs in one statement) and the commit's
-    assert len(off_loop) == (0 if backend.name.startswith("postgres") else 4), off_loop
+    assert later == committed["stats"] and later["step"] == before["r2"]["step"] + 1
+    # two run stats, the pool's (both runs in one statement) and the commit's: each stopped on the
+    # loop past its steps, then counted whole in a worker thread; the last read of r2 there at
+    # once (its statement's last count went past the share)
+    sqlite = not backend.name.startswith("postgres")
+    assert len(stopped) == (4 if sqlite else 0), stopped
+    assert len(off_loop) == (5 if sqlite else 0), off_loop
+
+
+async def test_sqlite_counts_in_the_steps_the_loops_budget_assumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget of a stats statement on the loop is counted in SQLite's virtual machine steps
+    (`repo.STEPS_PER_ENTRY` a recent trajectory, `repo.STEPS_PER_RUN` a run beside): measured here
+    with a progress handler on the statements of a run's stats and of the pool's (two runs)."""
+    measured: list[tuple[int, int]] = []  # (steps, recent trajectories counted)
+    counted = _steps_counted(
+        "created_at >=", lambda steps, rows: measured.append((steps, sum(n for new, _, n in rows if new)))
+    )
+
+    backend = Backend("sqlite-memory", f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", None, "unused")
+    async with serve(backend.settings()) as client:
+        await _two_runs_trained(client)
+        # the budget's own handler set aside: this one counts every step
+        monkeypatch.setattr(sqlite_inline, "fetch_all_within", lambda c, sql, p, _steps: counted(c, sql, p))
+        for run in ("r1", "r2"):
+            await run_stats(client, run=run)
+        await pool_stats(client)
+    (one, n_one), (two, n_two), (pool, n_pool) = measured  # 140 / 24, 114 / 16, 256 / 40
+    assert n_one != n_two and n_pool == n_one + n_two
+    per_entry = (one - two) / (n_one - n_two)
+    assert repo.STEPS_PER_ENTRY - 0.5 <= per_entry <= repo.STEPS_PER_ENTRY + 0.5, measured
+    for steps, entries, runs in ((one, n_one, 1), (two, n_two, 1), (pool, n_pool, 2)):
+        assert steps - entries * per_entry <= repo.STEPS_PER_RUN * runs, measured
 
 
 async def test_a_runs_last_replays_are_found_from_its_newest_batches(
@@ -125,22 +197,7 @@ async def test_a_runs_last_replays_are_found_from_its_newest_batches(
     reads the batches, counted with a progress handler, after 2 and after 24 committed steps)."""
     work: list[int] = []
     fetch_all = sqlite_inline.fetch_all
-
-    async def counted(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any]) -> list[Any]:
-        if "FROM batch" not in sql:
-            return await fetch_all(conn, sql, parameters)
-        steps = [0]
-
-        def tick() -> int:
-            steps[0] += 1
-            return 0
-
-        conn.set_progress_handler(tick, 1)
-        try:
-            return await fetch_all(conn, sql, parameters)
-        finally:
-            conn.set_progress_handler(None, 0)
-            work.append(steps[0])
+    counted = _steps_counted("FROM batch", lambda steps, _rows: work.append(steps))
 
     backend = Backend("sqlite-memory", f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", None, "unused")
     async with serve(backend.settings()) as client:

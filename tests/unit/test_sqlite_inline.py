@@ -490,3 +490,56 @@ async def test_a_write_inside_a_transaction_flushes_what_it_changed_and_only_the
             assert (await session.execute(select(Pool))).all() == []
     finally:
         await db.close()
+
+
+def _counted_table(rows: int) -> sqlite3.Connection:
+    conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+    conn.execute("CREATE TABLE t (run INTEGER, at TEXT)")
+    conn.execute("CREATE INDEX ix_t ON t (run, at)")
+    conn.executemany("INSERT INTO t VALUES (1, ?)", [(f"{i:08d}",) for i in range(rows)])
+    return conn
+
+
+_COUNT = "SELECT count(*) FROM t WHERE run = ? AND at >= ?"
+
+
+async def test_a_read_within_its_steps_answers_and_one_past_them_is_stopped() -> None:
+    """`fetch_all_within` answers a read that SQLite's virtual machine finishes within the steps
+    given, and None for one that needs more (stopped there, not run to its end); the connection's
+    progress handler is gone either way, so the next statement runs whole."""
+    conn = _counted_table(5_000)
+    assert await sqlite_inline.fetch_all_within(conn, _COUNT, (1, ""), 100_000) == [(5_000,)]
+    assert await sqlite_inline.fetch_all_within(conn, _COUNT, (1, "00004900"), 1_000) == [(100,)]
+    assert await sqlite_inline.fetch_all_within(conn, _COUNT, (1, ""), 1_000) is None
+    steps = [0]
+
+    def tick() -> int:
+        steps[0] += 1
+        return 0
+
+    # the stopped read's handler was removed: a handler set now sees every step of a whole count
+    conn.set_progress_handler(tick, 1)
+    assert conn.execute(_COUNT, (1, "")).fetchall() == [(5_000,)]
+    conn.set_progress_handler(None, 0)
+    assert steps[0] > 5_000 * 2
+    assert (await sqlite_inline.fetch_all_off_loop(conn, _COUNT, (1, ""))) == [(5_000,)]
+
+
+async def test_a_read_stopped_inside_a_transaction_leaves_the_transaction_and_its_writes() -> None:
+    """A read stopped for its steps inside a write transaction changes nothing: the transaction
+    stays open with what it wrote, and commits it."""
+    conn = _counted_table(5_000)
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("INSERT INTO t VALUES (2, 'written')")
+    assert await sqlite_inline.fetch_all_within(conn, _COUNT, (1, ""), 500) is None
+    assert conn.in_transaction
+    conn.execute("COMMIT")
+    assert conn.execute("SELECT count(*) FROM t WHERE run = 2").fetchone() == (1,)
+
+
+async def test_a_read_that_fails_otherwise_raises_its_error_and_leaves_no_handler() -> None:
+    conn = _counted_table(10)
+    with pytest.raises(sqlite3.OperationalError, match="no such table"):
+        await sqlite_inline.fetch_all_within(conn, "SELECT count(*) FROM missing", (), 10)
+    # no handler left behind to stop a long statement
+    assert conn.execute("SELECT count(*) FROM t a, t b, t c").fetchone() == (1_000,)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import sqlite3
 from collections import namedtuple
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import fields
 from datetime import UTC, datetime
 from operator import itemgetter
-from typing import Any, NamedTuple, NoReturn, cast
+from typing import Any, NamedTuple, NoReturn, TypeVar, cast
 
 import numpy as np
 from sqlalchemy import (
@@ -1428,16 +1428,26 @@ async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, lim
     return list((await session.execute(stmt)).scalars())
 
 
-#: SQLite on the event loop (the inline driver): a run's stats count its recent trajectories
-#: there up to this many index entries (~0.5 ms); a run past it is counted again in a worker
-#: thread, so that the stats of a run ingesting fast (300k trajectories in five minutes at 1k/s:
-#: ~11 ms of counting) do not hold up every other request
-RECENT_ON_LOOP = 20_000
+_T = TypeVar("_T")
 
-#: (database, run) of the runs whose last count of recent trajectories went past
-#: `RECENT_ON_LOOP`: counted in the worker thread at once (not up to the cap on the loop first,
-#: then again), until a count falls under the cap. It decides where a run is counted, never what.
-_COUNTED_OFF_LOOP: set[tuple[str | None, int]] = set()
+#: SQLite on the event loop (the inline driver): a stats statement counts runs' recent
+#: trajectories there up to about this many index entries in all (~0.8 ms here); one that needs
+#: more is run again in a worker thread, so that the stats of a run ingesting fast (300k
+#: trajectories in five minutes at 1k/s: ~11 ms of counting) do not hold up every other request
+RECENT_ON_LOOP = 20_000
+#: SQLite's virtual machine steps of counting one index entry (~3.1), and a statement's own per
+#: run beside it (the run's tally cell, its index seek: ~68), as `tests/service/
+#: test_run_stats_counts.py` measures them: a statement's budget on the loop is `RECENT_ON_LOOP`
+#: entries of counting and its runs' own steps. Counted in steps, not with a `LIMIT` on each
+#: count: SQLite counts a limited subquery's rows one by one through a co-routine, ~45% slower
+#: per entry than its count over the index.
+STEPS_PER_ENTRY = 3
+STEPS_PER_RUN = 80
+
+#: (database, runs) of the stats statements whose last count went past `RECENT_ON_LOOP`: run in
+#: the worker thread at once (not on the loop up to the budget first, then again), until a count
+#: falls under it. It decides where a statement runs, never what it counts.
+_COUNTED_OFF_LOOP: set[tuple[str | None, tuple[int, ...]]] = set()
 
 
 async def run_trajectory_counts(
@@ -1468,43 +1478,40 @@ async def run_trajectory_counts(
         for is_recent, run_id, n in await _driver_rows(conn, f"{totals} UNION ALL {recent}", q.args):
             (lately if is_recent else stored)[int(run_id)] = int(n)
     else:
-        database = conn.engine.url.database
-        known = [r for r in ids if (database, r) in _COUNTED_OFF_LOOP]
-        cap = RECENT_ON_LOOP + 1
-        # each run's count stops at the cap
+        # a count per run over its part of the (run, created) index: with `IN (...) GROUP BY`
+        # SQLite takes ~2.3x as long (1.4 against 0.62 ms for 34k entries)
         recent = "".join(
-            f" UNION ALL SELECT 1, {q.arg(r)}, (SELECT count(*) FROM (SELECT 1 FROM trajectory WHERE "
-            f"source_run_id = {q.arg(r)} AND created_at >= {q.arg(bound_since)} LIMIT {q.arg(cap)}))"
+            f" UNION ALL SELECT 1, {q.arg(r)}, (SELECT count(*) FROM trajectory WHERE "
+            f"source_run_id = {q.arg(r)} AND created_at >= {q.arg(bound_since)})"
             for r in ids
-            if r not in known
         )
-        for is_recent, run_id, n in await _driver_rows(conn, f"{totals}{recent}", q.args):
+        sql = f"{totals}{recent}"
+        statement = (conn.engine.url.database, tuple(ids))
+        rows: list[Any] | None = None
+        if statement not in _COUNTED_OFF_LOOP:
+            steps = RECENT_ON_LOOP * STEPS_PER_ENTRY + STEPS_PER_RUN * len(ids)
+            rows = await _sqlite_rows(sqlite_inline.fetch_all_within(inline, sql, q.args, steps), sql, q.args)
+        if rows is None:
+            rows = await _sqlite_rows(sqlite_inline.fetch_all_off_loop(inline, sql, q.args), sql, q.args)
+        for is_recent, run_id, n in rows:
             (lately if is_recent else stored)[int(run_id)] = int(n)
-        over = known + [r for r, n in lately.items() if n >= cap]
-        if over:
-            lately.update(await _recent_off_loop(inline, over, bound_since))
-        for r in ids:
-            if lately.get(r, 0) >= cap:
-                _COUNTED_OFF_LOOP.add((database, r))
-            else:
-                _COUNTED_OFF_LOOP.discard((database, r))
+        if sum(lately.values()) >= RECENT_ON_LOOP:
+            if len(_COUNTED_OFF_LOOP) >= 4096:  # statements of runs and pools long gone
+                _COUNTED_OFF_LOOP.clear()
+            _COUNTED_OFF_LOOP.add(statement)
+        else:
+            _COUNTED_OFF_LOOP.discard(statement)
     for run_id in ids:
         out[run_id] = (stored.get(run_id, 0), lately.get(run_id, 0))
     return out
 
 
-async def _recent_off_loop(inline: sqlite3.Connection, run_ids: Sequence[int], since: Any) -> dict[int, int]:
-    """Each run's trajectories from `since` on, counted in a worker thread: a count per run over its
-    part of the (run, created) index (with `IN (...) GROUP BY` SQLite takes ~2.3x as long: 1.4
-    against 0.62 ms for 34k entries)."""
-    one = "SELECT ?, (SELECT count(*) FROM trajectory WHERE source_run_id = ? AND created_at >= ?)"
-    sql = " UNION ALL ".join([one] * len(run_ids))
-    args = [value for r in run_ids for value in (r, r, since)]
+async def _sqlite_rows(fetch: Awaitable[_T], sql: str, args: Sequence[Any]) -> _T:
+    """`fetch`'s rows, its `sqlite3` errors raised as SQLAlchemy's (as `_driver_rows` raises them)."""
     try:
-        rows = await sqlite_inline.fetch_all_off_loop(inline, sql, args)
+        return await fetch
     except sqlite3.Error as e:
         raise DBAPIError.instance(sql, args, e, sqlite3.Error) from e
-    return {int(run_id): int(n) for run_id, n in rows}
 
 
 # ----------------------------------------------------------------------------------- batches

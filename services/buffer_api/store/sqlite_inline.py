@@ -69,6 +69,30 @@ async def fetch_all(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any
         cursor.close()
 
 
+def _stop() -> int:
+    """A progress handler that stops the statement it is called in."""
+    return 1
+
+
+async def fetch_all_within(
+    conn: sqlite3.Connection, sql: str, parameters: Sequence[Any], steps: int
+) -> list[Any] | None:
+    """The rows of one read run on `conn` directly (as `fetch_all`), or None where SQLite's
+    virtual machine needs more than `steps` steps for it: a progress handler stops it there
+    (SQLITE_INTERRUPT). A stopped read has changed nothing, and a transaction open on `conn`
+    stays open with its changes (SQLite rolls one back only for an interrupted write); the caller
+    runs the read elsewhere (`fetch_all_off_loop`). The handler is removed before this returns."""
+    conn.set_progress_handler(_stop, max(1, steps))
+    try:
+        return await fetch_all(conn, sql, parameters)
+    except sqlite3.OperationalError as error:
+        if getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_INTERRUPT:
+            return None
+        raise
+    finally:
+        conn.set_progress_handler(None, 0)
+
+
 async def fetch_all_off_loop(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any]) -> list[Any]:
     """The rows of one read that may take long (it counts rows without bound), run on `conn` in a
     worker thread: `sqlite3` lets the loop go on while SQLite works. The caller's request holds
