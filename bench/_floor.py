@@ -1096,7 +1096,16 @@ def main() -> None:
                 self.inner = app_for(Floor(await _connect(url)))
             await self.inner(scope, receive, send)
 
-    uvicorn.run(Lazy(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    app: Any = Lazy()
+    if os.environ.get("EXGRPO_BENCH_TIMING") == "1":
+        # the service's probe, on this side too (`_serve.probe_floor`)
+        import _serve
+
+        # its statements: the database layer's calls, SQLite's BEGIN, and the trajectory insert
+        # (`sqlite3` and asyncpg called directly, for the row count and the tally's cells)
+        calls = [(c, m) for c in (SqliteDb, PgDb) for m in ("fetch", "execute", "executemany")]
+        app = _serve.probe_floor(app, [*calls, (SqliteDb, "begin"), (Floor, "_insert_trajectories")])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ import inspect
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TextIO
 
 import uvicorn
 
@@ -47,6 +48,18 @@ def _add(slot: int, seconds: float) -> None:
         acc[slot + 1] += 1
 
 
+def _statement_log() -> TextIO | None:
+    """``EXGRPO_BENCH_SQL_LOG``'s file, opened for appending once per process (None: unset)."""
+    global _LOG
+    path = os.environ.get("EXGRPO_BENCH_SQL_LOG")
+    if path and _LOG is None:
+        _LOG = open(path, "a", buffering=1)  # noqa: SIM115  # open for the process's life
+    return _LOG
+
+
+_LOG: TextIO | None = None
+
+
 def _install_sql_timer() -> None:
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
@@ -54,14 +67,12 @@ def _install_sql_timer() -> None:
     def before(conn: Any, *_: Any) -> None:
         conn.info.setdefault("bench_t0", []).append(time.perf_counter())
 
-    log_path = os.environ.get("EXGRPO_BENCH_SQL_LOG")
-    log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115  # open for the process's life
-
     def after(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         stack = conn.info.get("bench_t0")
         if stack:
             seconds = time.perf_counter() - stack.pop()
             _add(0, seconds)
+            log = _statement_log()
             if log is not None:
                 log.write(f"{seconds * 1000:.2f}\t{' '.join(statement.split())[:120]}\n")
 
@@ -76,19 +87,6 @@ def _install_sql_timer() -> None:
 
     # the hot path's statements that go to `sqlite3` or to asyncpg directly, not through
     # SQLAlchemy's execution (an older service, `--service-src`, may have neither module)
-    def timed(run: Any) -> Any:
-        async def call(conn: Any, sql: str, *args: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return await run(conn, sql, *args, **kw)
-            finally:
-                seconds = time.perf_counter() - t0
-                _add(0, seconds)
-                if log is not None:
-                    log.write(f"{seconds * 1000:.2f}\t{' '.join(sql.split())[:120]}\n")
-
-        return call
-
     import importlib
 
     for module_name in ("exgrpo_pool.store.sqlite_inline", "exgrpo_pool.store.pg_direct"):
@@ -96,10 +94,43 @@ def _install_sql_timer() -> None:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        for name in ("fetch_all", "execute"):  # the reads, and the writes
+        # the reads (on the loop, and the long counts in a worker thread), and the writes
+        for name in ("fetch_all", "fetch_all_off_loop", "execute"):
             run = getattr(module, name, None)
             if run is not None:
-                setattr(module, name, timed(run))
+                setattr(module, name, _timed_call(run))
+
+
+def probe_floor(app: Any, statements: Iterable[tuple[type, str]]) -> Any:
+    """The floor's side of the probe (``pool_bench.py`` sets ``EXGRPO_BENCH_TIMING`` for both
+    sides): its statements timed as the service's are (`statements`: the (class, method) pairs of
+    its database calls, each call's whole time counted as SQL; SQLite's BEGIN on both sides, a
+    COMMIT on neither), its collections, and the `Server-Timing` header: the probe's cost on both
+    sides of a ratio."""
+    for cls, name in statements:
+        setattr(cls, name, _timed_call(vars(cls)[name]))
+    _install_gc_timer()
+    return ServerTiming(app)
+
+
+def _timed_call(run: Any) -> Any:
+    """An async call of the database (a driver call `(conn, sql, ...)` of the service, a method of
+    the floor's) with its time added to the request's SQL time, and logged with its statement
+    (its second argument, where that is one)."""
+
+    async def call(*args: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await run(*args, **kw)
+        finally:
+            seconds = time.perf_counter() - t0
+            _add(0, seconds)
+            log = _statement_log()
+            if log is not None:
+                what = args[1] if len(args) > 1 and isinstance(args[1], str) else run.__name__
+                log.write(f"{seconds * 1000:.2f}\t{' '.join(what.split())[:120]}\n")
+
+    return call
 
 
 def _install_gc_timer() -> None:
