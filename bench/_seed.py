@@ -524,6 +524,40 @@ async def warm_postgres(dsn: str, database: str) -> float:
     return time.perf_counter() - t0
 
 
+def uncache_file(path: Path) -> bool:
+    """Drop a file's clean pages from the OS's page cache (`posix_fadvise` DONTNEED): whether it
+    could."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
+async def uncache_postgres(dsn: str, database: str) -> int:
+    """Drop a database's files from the OS's page cache, where its server's data directory is on
+    this host and readable here (the files it could: 0 when it is not)."""
+    conn = await asyncpg.connect(pg_url(dsn, "postgres"))
+    try:
+        data_dir = await conn.fetchval("SELECT current_setting('data_directory')")
+        oid = await conn.fetchval("SELECT oid FROM pg_database WHERE datname = $1", database)
+    except asyncpg.PostgresError:  # not allowed to read the setting
+        return 0
+    finally:
+        await conn.close()
+    try:
+        files = [f for f in (Path(data_dir) / "base" / str(oid)).iterdir() if f.is_file()]
+    except OSError:
+        return 0
+    return sum(uncache_file(f) for f in files)
+
+
 # ---------------------------------------------------------------------- copies to measure on
 class SeededCopy(NamedTuple):
     url: str

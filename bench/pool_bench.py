@@ -1231,6 +1231,8 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
             if opts.floor:
                 _seed.copy_sqlite(seed_file, floor_file)
                 floor_url = str(floor_file)
+            # the seeded template, once copied, leaves the page cache to the copies measured
+            res["seed_uncached"] = _seed.uncache_file(seed_file)
         else:
             seed_db = f"exgrpo_bench_seed_{size}"
             if fresh_seed or not await _seed.pg_cache_ok(shape, opts.pg_dsn, seed_db):
@@ -1243,6 +1245,7 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
             if opts.floor:
                 await _seed.copy_postgres(opts.pg_dsn, seed_db, floor_db)
                 floor_url = _seed.pg_url(opts.pg_dsn, floor_db)
+            res["seed_uncached"] = await _seed.uncache_postgres(opts.pg_dsn, seed_db) > 0
             env = {
                 "EXGRPO_DATABASE_URL": _seed.pg_url(opts.pg_dsn, work_db, driver=True),
                 "EXGRPO_REDIS_URL": opts.redis_url,
