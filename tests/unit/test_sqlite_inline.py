@@ -543,3 +543,15 @@ async def test_a_read_that_fails_otherwise_raises_its_error_and_leaves_no_handle
         await sqlite_inline.fetch_all_within(conn, "SELECT count(*) FROM missing", (), 10)
     # no handler left behind to stop a long statement
     assert conn.execute("SELECT count(*) FROM t a, t b, t c").fetchone() == (1_000,)
+
+
+async def test_a_read_run_again_and_again_within_its_steps_is_never_stopped() -> None:
+    """SQLite counts a prepared statement's steps over all its runs (the driver keeps it prepared
+    for the next), and calls a progress handler every so many of them: a budget of one run's steps
+    must not be taken from that running total, or a short read is stopped now and then."""
+    conn = _counted_table(30)  # ~100 steps a count
+    answers = [await sqlite_inline.fetch_all_within(conn, _COUNT, (1, ""), 1_000) for _ in range(100)]
+    assert answers == [[(30,)]] * 100
+    # and one that needs more than its steps is stopped every time, not only where the total
+    # crosses a multiple of them
+    assert [await sqlite_inline.fetch_all_within(conn, _COUNT, (1, ""), 40) for _ in range(20)] == [None] * 20

@@ -69,20 +69,32 @@ async def fetch_all(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any
         cursor.close()
 
 
-def _stop() -> int:
-    """A progress handler that stops the statement it is called in."""
-    return 1
+#: the most steps between two calls of `fetch_all_within`'s progress handler
+_STEPS_PER_CALL = 1_000
 
 
 async def fetch_all_within(
     conn: sqlite3.Connection, sql: str, parameters: Sequence[Any], steps: int
 ) -> list[Any] | None:
     """The rows of one read run on `conn` directly (as `fetch_all`), or None where SQLite's
-    virtual machine needs more than `steps` steps for it: a progress handler stops it there
+    virtual machine needs more than about `steps` steps for it: a progress handler stops it there
     (SQLITE_INTERRUPT). A stopped read has changed nothing, and a transaction open on `conn`
     stays open with its changes (SQLite rolls one back only for an interrupted write); the caller
-    runs the read elsewhere (`fetch_all_off_loop`). The handler is removed before this returns."""
-    conn.set_progress_handler(_stop, max(1, steps))
+    runs the read elsewhere (`fetch_all_off_loop`). The handler is removed before this returns.
+
+    SQLite calls a progress handler every N steps of a prepared statement's running total over
+    all its runs (the driver keeps a statement prepared for its next run), not of this run alone:
+    so the handler counts its own calls, every `steps / 16` steps at most (every 1,000 for large
+    budgets), and stops the read at the call that ends its budget, within one such interval of
+    `steps`."""
+    every = max(1, min(_STEPS_PER_CALL, steps // 16))
+    left = [max(1, -(-steps // every))]
+
+    def spent() -> int:
+        left[0] -= 1
+        return left[0] <= 0
+
+    conn.set_progress_handler(spent, every)
     try:
         return await fetch_all(conn, sql, parameters)
     except sqlite3.OperationalError as error:
