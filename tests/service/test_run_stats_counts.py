@@ -114,9 +114,10 @@ async def test_trajectories_and_those_of_the_last_five_minutes(backend: Backend)
 async def test_a_run_past_the_loops_share_is_counted_off_the_loop_exactly(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SQLite's inline driver counts a run's recent trajectories on the event loop only up to
-    `repo.RECENT_ON_LOOP`; a run past it is counted again in a worker thread, to the same numbers
-    (Postgres counts on its server, off the loop anyway)."""
+    """SQLite's inline driver counts a run's recent trajectories on the event loop only within the
+    steps of about `repo.RECENT_ON_LOOP` entries; a statement past them is stopped there and run
+    again, whole, in a worker thread, to the same numbers (Postgres counts on its server, off the
+    loop anyway)."""
     off_loop: list[str] = []
     counted = sqlite_inline.fetch_all_off_loop
 
