@@ -48,16 +48,19 @@ def _add(slot: int, seconds: float) -> None:
         acc[slot + 1] += 1
 
 
-def _statement_log() -> TextIO | None:
-    """``EXGRPO_BENCH_SQL_LOG``'s file, opened for appending once per process (None: unset)."""
-    global _LOG
-    path = os.environ.get("EXGRPO_BENCH_SQL_LOG")
-    if path and _LOG is None:
-        _LOG = open(path, "a", buffering=1)  # noqa: SIM115  # open for the process's life
-    return _LOG
-
-
+#: ``EXGRPO_BENCH_SQL_LOG``: a file to append a line per statement to (its ms and text)
+_LOG_PATH = os.environ.get("EXGRPO_BENCH_SQL_LOG")
 _LOG: TextIO | None = None
+
+
+def _log_statement(seconds: float, text: str) -> None:
+    """A statement's line in ``EXGRPO_BENCH_SQL_LOG``'s file (opened once per process), if set."""
+    global _LOG
+    if _LOG_PATH is None:
+        return
+    if _LOG is None:
+        _LOG = open(_LOG_PATH, "a", buffering=1)  # noqa: SIM115  # open for the process's life
+    _LOG.write(f"{seconds * 1000:.2f}\t{' '.join(text.split())[:120]}\n")
 
 
 def _install_sql_timer() -> None:
@@ -72,9 +75,7 @@ def _install_sql_timer() -> None:
         if stack:
             seconds = time.perf_counter() - stack.pop()
             _add(0, seconds)
-            log = _statement_log()
-            if log is not None:
-                log.write(f"{seconds * 1000:.2f}\t{' '.join(statement.split())[:120]}\n")
+            _log_statement(seconds, statement)
 
     def failed(ctx: Any) -> None:
         stack = ctx.connection.info.get("bench_t0") if ctx.connection is not None else None
@@ -125,10 +126,7 @@ def _timed_call(run: Any) -> Any:
         finally:
             seconds = time.perf_counter() - t0
             _add(0, seconds)
-            log = _statement_log()
-            if log is not None:
-                what = args[1] if len(args) > 1 and isinstance(args[1], str) else run.__name__
-                log.write(f"{seconds * 1000:.2f}\t{' '.join(what.split())[:120]}\n")
+            _log_statement(seconds, args[1] if len(args) > 1 and isinstance(args[1], str) else run.__name__)
 
     return call
 

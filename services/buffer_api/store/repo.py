@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import sqlite3
 from collections import namedtuple
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
 from datetime import UTC, datetime
 from operator import itemgetter
-from typing import Any, NamedTuple, NoReturn, TypeVar, cast
+from typing import Any, NamedTuple, NoReturn, cast
 
 import numpy as np
 from sqlalchemy import (
@@ -31,7 +31,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import aggregate_order_by
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.util import greenlet_spawn
@@ -170,7 +170,12 @@ async def _driver_rows(conn: AsyncConnection, sql: str, args: Sequence[Any]) -> 
     try:
         return await sqlite_inline.fetch_all(inline, sql, args)
     except sqlite3.Error as e:
-        raise DBAPIError.instance(sql, args, e, sqlite3.Error) from e
+        raise _sqlite_error(sql, args, e) from e
+
+
+def _sqlite_error(sql: str, args: Sequence[Any], error: sqlite3.Error) -> StatementError:
+    """An inline `sqlite3` statement's error as SQLAlchemy raises it for a statement of its own."""
+    return DBAPIError.instance(sql, args, error, sqlite3.Error)
 
 
 def _asyncpg(conn: AsyncConnection) -> Any | None:
@@ -310,7 +315,7 @@ async def _driver_write(conn: AsyncConnection, sql: str, args: Sequence[Any], *,
     try:
         return await sqlite_inline.execute(inline, sql, args, many=many)
     except sqlite3.Error as e:
-        raise DBAPIError.instance(sql, args, e, sqlite3.Error) from e
+        raise _sqlite_error(sql, args, e) from e
 
 
 class _Compiled(NamedTuple):
@@ -1428,8 +1433,6 @@ async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, lim
     return list((await session.execute(stmt)).scalars())
 
 
-_T = TypeVar("_T")
-
 #: SQLite on the event loop (the inline driver): a stats statement counts runs' recent
 #: trajectories there up to about this many index entries in all (~0.8 ms here); one that needs
 #: more is run again in a worker thread, so that the stats of a run ingesting fast (300k
@@ -1488,11 +1491,14 @@ async def run_trajectory_counts(
         sql = f"{totals}{recent}"
         statement = (conn.engine.url.database, tuple(ids))
         rows: list[Any] | None = None
-        if statement not in _COUNTED_OFF_LOOP:
-            steps = RECENT_ON_LOOP * STEPS_PER_ENTRY + STEPS_PER_RUN * len(ids)
-            rows = await _sqlite_rows(sqlite_inline.fetch_all_within(inline, sql, q.args, steps), sql, q.args)
-        if rows is None:
-            rows = await _sqlite_rows(sqlite_inline.fetch_all_off_loop(inline, sql, q.args), sql, q.args)
+        try:
+            if statement not in _COUNTED_OFF_LOOP:
+                steps = RECENT_ON_LOOP * STEPS_PER_ENTRY + STEPS_PER_RUN * len(ids)
+                rows = await sqlite_inline.fetch_all_within(inline, sql, q.args, steps)
+            if rows is None:
+                rows = await sqlite_inline.fetch_all_off_loop(inline, sql, q.args)
+        except sqlite3.Error as e:
+            raise _sqlite_error(sql, q.args, e) from e
         for is_recent, run_id, n in rows:
             (lately if is_recent else stored)[int(run_id)] = int(n)
         if sum(lately.values()) >= RECENT_ON_LOOP:
@@ -1504,14 +1510,6 @@ async def run_trajectory_counts(
     for run_id in ids:
         out[run_id] = (stored.get(run_id, 0), lately.get(run_id, 0))
     return out
-
-
-async def _sqlite_rows(fetch: Awaitable[_T], sql: str, args: Sequence[Any]) -> _T:
-    """`fetch`'s rows, its `sqlite3` errors raised as SQLAlchemy's (as `_driver_rows` raises them)."""
-    try:
-        return await fetch
-    except sqlite3.Error as e:
-        raise DBAPIError.instance(sql, args, e, sqlite3.Error) from e
 
 
 # ----------------------------------------------------------------------------------- batches
