@@ -140,6 +140,8 @@ SQLITE_DRIVER: str | None = None
 SERVICE_SRC: Path | None = None
 #: the service's ingest_group_max (`--ingest-group-max`; None: its default)
 INGEST_GROUP_MAX: int | None = None
+#: a folder for every side's statement log (`--sql-log`; None: no log)
+SQL_LOG: Path | None = None
 
 
 def older_service_path(src: Path) -> str:
@@ -238,6 +240,9 @@ def start_server(
         env["EXGRPO_SQLITE_DRIVER"] = SQLITE_DRIVER
     if script == SERVE and INGEST_GROUP_MAX is not None:
         env["EXGRPO_INGEST_GROUP_MAX"] = str(INGEST_GROUP_MAX)
+    if SQL_LOG is not None:  # one file per server: its log's name, `.sql`
+        SQL_LOG.mkdir(parents=True, exist_ok=True)
+        env["EXGRPO_BENCH_SQL_LOG"] = str(SQL_LOG / f"{log_path.stem}.sql")
     if script == SERVE and SERVICE_SRC is not None:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (older_service_path(SERVICE_SRC), env.get("PYTHONPATH", "")) if p
@@ -527,6 +532,8 @@ class Options:
     #: with --floor --mix-only: the floor's mix before the service's
     floor_first: bool = False
     floor: bool = False
+    #: with --floor: the floor on both sides (`--floor-twice`), what the ratios read for equal code
+    floor_twice: bool = False
     #: read each copy once before measuring (into the OS's page cache)
     warm: bool = False
 
@@ -1265,8 +1272,16 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
             head = await downgrade_to(env["EXGRPO_DATABASE_URL"], SERVICE_SRC)
             log(f"  {tag}: schema down to {head} for the service of {SERVICE_SRC}")
             res["service_src_schema"] = head
-        log(f"  {tag}: starting service")
-        server = await asyncio.to_thread(start_server, env, log_path, profile_path)
+        if opts.floor_twice:
+            # the service's side runs the floor too, on the service's copy: ratios of equal code
+            log(f"  {tag}: starting the floor on the service's side")
+            own = str(work_file) if backend == "sqlite" else _seed.pg_url(opts.pg_dsn, work_db)
+            server = await asyncio.to_thread(start_server, {"FLOOR_DATABASE": own}, log_path, None, FLOOR)
+            env = {}
+            res["floor_twice"] = True
+        else:
+            log(f"  {tag}: starting service")
+            server = await asyncio.to_thread(start_server, env, log_path, profile_path)
         if "EXGRPO_REDIS_URL" in env:
             server.redis_url, server.redis_prefix = opts.redis_url, redis_prefix
         res["startup_s"] = round(server.startup_s, 2)
@@ -1679,6 +1694,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the service's sqlite_driver (default: the service's own)",
     )
     ap.add_argument(
+        "--sql-log",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="every side's statements with their ms (bench/_serve.py's EXGRPO_BENCH_SQL_LOG), a file "
+        "per server in DIR named as its log",
+    )
+    ap.add_argument(
         "--ingest-group-max",
         type=int,
         default=None,
@@ -1690,6 +1713,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--floor",
         action="store_true",
         help="only select, plan, commit and ingest, interleaved with the floor (bench/_floor.py) on a copy",
+    )
+    ap.add_argument(
+        "--floor-twice",
+        action="store_true",
+        help="with --floor: the floor on the service's side too (an A/A run): how far the ratios "
+        "stray from 1 when both sides run the same code, in the order and the hour they are taken",
     )
     ap.add_argument(
         "--unrelated-keys",
@@ -1718,8 +1747,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global SERVICE_WORKERS, MAX_ACTIVE, SQLITE_DRIVER, SERVICE_SRC, INGEST_GROUP_MAX
+    global SERVICE_WORKERS, MAX_ACTIVE, SQLITE_DRIVER, SERVICE_SRC, INGEST_GROUP_MAX, SQL_LOG
     args = parse(argv)
+    SQL_LOG = args.sql_log
     INGEST_GROUP_MAX = args.ingest_group_max
     SERVICE_SRC = args.service_src
     SERVICE_WORKERS = args.service_workers
@@ -1745,6 +1775,7 @@ def main(argv: list[str] | None = None) -> int:
         mix_only=args.mix_only,
         floor_first=args.floor_first,
         floor=args.floor,
+        floor_twice=args.floor_twice,
         throughput_requests=args.ingest_throughput,
         throughput_groups=args.throughput_groups,
         warm=args.warm,
@@ -1762,6 +1793,8 @@ def main(argv: list[str] | None = None) -> int:
     for b in backends:
         if b not in ("sqlite", "postgres"):
             raise SystemExit(f"unknown backend {b!r}: use sqlite and/or postgres")
+    if opts.floor_twice and (not opts.floor or opts.mix_only or SERVICE_SRC is not None):
+        raise SystemExit("--floor-twice goes with --floor, without --mix-only or --service-src")
     if opts.floor and opts.mix_only and "postgres" in backends:
         # the floor answers one request at a time on one connection: on SQLite that is all a
         # process gets (one writer, statements on the event loop), on Postgres it would leave the

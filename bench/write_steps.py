@@ -5,20 +5,21 @@ service's app and the floor's app (`bench/_floor.py`) each answer `--steps` trai
 ASGI calls (no HTTP, no client, as `bench/request_layers.py` sends them): a plan (answered as a
 frame) and its commit of 64 fresh and 64 replayed groups (1,024 rollouts, ~3.5 MB), or with
 `--request ingest` also an ingest of 32 fresh groups, the request measured (sent as a frame, or with
-`--encoding json` as JSON with base64 payloads). Three views, all CPU
-of the event-loop thread unless said:
+`--encoding json` as JSON with base64 payloads). Three views, timed by the event-loop thread's
+CPU, or with `--clock wall` by the time that passed (a wait for the GIL, for a worker thread or for
+the disk counts there):
 
 * per request: the process's CPU (every thread: the service hashes a commit in a thread, and the
-  WAL checkpoint runs in one on both sides) and the loop thread's, medians;
+  WAL checkpoint runs in one on both sides), the loop thread's and the wall time, medians;
 * every `sqlite3` call on the loop thread (the module's connections and cursors subclassed), by
   statement, means per request: the statements are the same work on both sides;
-* the service's steps (its functions wrapped), inclusive means per request: what the loop spends
+* each side's steps (its functions wrapped), inclusive means per request: what the loop spends
   around the statements.
 
 The first 5 steps are left out. The wrappers cost ~1-2 us a call.
 
     .venv/bin/python bench/write_steps.py [--request commit|ingest] [--encoding binary|json]
-        [--steps 60] [--size 10000]
+        [--steps 60] [--size 10000] [--clock cpu|wall]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,9 @@ from request_layers import Asgi, _scope, asgi_request
 from exgrpo_client import frames
 
 SKIP = 5
+#: the clock of every statement's and step's time: the event-loop thread's CPU, or with
+#: `--clock wall` the time that passed (waits for the GIL, for a worker thread, for I/O included)
+CLOCK: Callable[[], float] = time.thread_time
 
 
 class Timer:
@@ -69,13 +74,15 @@ class Timer:
         rows = [(k, v / n * 1e3, self.calls[k] / n) for k, v in self.cpu.items()]
         if order is None:
             return sorted(rows, key=lambda r: -r[1])
-        return sorted(rows, key=lambda r: order.index(r[0]))
+        return sorted(rows, key=lambda r: order.index(r[0]) if r[0] in order else len(order))
 
 
 SQL = Timer()
 STEPS = Timer()
 #: the service's steps in the order they were wrapped (a step's parts below it, indented)
 STEP_ORDER: list[str] = []
+#: the floor's (`_timed_floor_steps`), and the steps both sides share (`frames.decode`)
+FLOOR_ORDER: list[str] = []
 
 
 def _head(sql: str) -> str:
@@ -90,25 +97,25 @@ def _head(sql: str) -> str:
 
 class _Cursor(sqlite3.Cursor):
     def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
-        t = time.thread_time()
+        t = CLOCK()
         try:
             return super().execute(sql, parameters)
         finally:
-            SQL.add(_head(sql), time.thread_time() - t)
+            SQL.add(_head(sql), CLOCK() - t)
 
     def executemany(self, sql: str, seq_of_parameters: Any, /) -> sqlite3.Cursor:
-        t = time.thread_time()
+        t = CLOCK()
         try:
             return super().executemany(sql, seq_of_parameters)
         finally:
-            SQL.add("(many) " + _head(sql), time.thread_time() - t)
+            SQL.add("(many) " + _head(sql), CLOCK() - t)
 
     def fetchall(self) -> list[Any]:
-        t = time.thread_time()
+        t = CLOCK()
         try:
             return super().fetchall()
         finally:
-            SQL.add("fetchall()", time.thread_time() - t)
+            SQL.add("fetchall()", CLOCK() - t)
 
 
 class _Connection(sqlite3.Connection):
@@ -122,11 +129,11 @@ class _Connection(sqlite3.Connection):
         return self.cursor().executemany(sql, seq_of_parameters)
 
     def commit(self) -> None:
-        t = time.thread_time()
+        t = CLOCK()
         try:
             super().commit()
         finally:
-            SQL.add("COMMIT", time.thread_time() - t)
+            SQL.add("COMMIT", CLOCK() - t)
 
 
 def _timed_connections() -> None:
@@ -152,22 +159,22 @@ def wrap(owner: Any, name: str, label: str, timer: Timer) -> None:
 
         @functools.wraps(fn)
         async def timed_async(*args: Any, **kwargs: Any) -> Any:
-            t = time.thread_time()
+            t = CLOCK()
             try:
                 return await fn(*args, **kwargs)
             finally:
-                timer.add(label, time.thread_time() - t)
+                timer.add(label, CLOCK() - t)
 
         setattr(owner, name, timed_async)
         return
 
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
-        t = time.thread_time()
+        t = CLOCK()
         try:
             return fn(*args, **kwargs)
         finally:
-            timer.add(label, time.thread_time() - t)
+            timer.add(label, CLOCK() - t)
 
     setattr(owner, name, timed)
 
@@ -213,6 +220,26 @@ def _timed_service_steps() -> None:
     _wrap(batches, "_apply_all_moves", "    the index follows")
 
 
+def _timed_floor_steps() -> None:
+    """The floor's steps of a commit and an ingest (`FLOOR_ORDER`); the frame's decoding is
+    `frames.decode`, wrapped for both sides already."""
+    floor = _floor.Floor
+    for owner, name, label in (
+        (_floor, "_payloads", "the payloads sliced and checked"),
+        (floor, "commit", "Floor.commit"),
+        (floor, "ingest", "Floor.ingest"),
+        (floor, "_idempotent", "  the key recorded"),
+        (floor, "_apply", "  Floor._apply"),
+        (_floor, "decide_group", "    decide_group"),
+        (_floor, "trajectory_key", "    trajectory_key"),
+        (floor, "_states", "    the states read"),
+        (floor, "_insert_trajectories", "    the trajectories inserted"),
+        (floor, "apply_moves", "the index follows"),
+    ):
+        FLOOR_ORDER.append(label)
+        wrap(owner, name, label, STEPS)
+
+
 async def _call(app: Asgi, scope: dict[str, Any], body: bytes) -> tuple[int, bytes]:
     status, answer, _ = await asgi_request(app, scope, body)
     # the event loop's turn between two requests, as a server's loop has one while the answer goes
@@ -248,6 +275,7 @@ async def _side(side: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
         picks = random.Random(1)
         process: list[float] = []
         loop: list[float] = []
+        wall: list[float] = []
         for i in range(args.steps + SKIP):
             scope = _scope("POST", f"{prefix}/runs/{run}/batches", headers=(json_in, (b"accept", frame)))
             status, raw = await _call(app, scope, json.dumps({"candidates": "all"}).encode())
@@ -267,20 +295,22 @@ async def _side(side: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
                     trainer.ingest_body(qids, args.encoding),
                 )
             SQL.on = STEPS.on = i >= SKIP
-            p0, t0 = time.process_time(), time.thread_time()
+            p0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
             status, raw = await _call(app, *measured)
-            p1, t1 = time.process_time(), time.thread_time()
+            p1, t1, w1 = time.process_time(), time.thread_time(), time.perf_counter()
             SQL.on = STEPS.on = False
             if status != 200:
                 raise SystemExit(f"{side}: {args.request} answered {status}: {raw[:300]!r}")
             if i >= SKIP:
                 process.append((p1 - p0) * 1e3)
                 loop.append((t1 - t0) * 1e3)
+                wall.append((w1 - w0) * 1e3)
         out = {
             "process_ms": statistics.median(process),
             "loop_ms": statistics.median(loop),
+            "wall_ms": statistics.median(wall),
             "sql": SQL.rows(args.steps),
-            "steps": STEPS.rows(args.steps, STEP_ORDER),
+            "steps": STEPS.rows(args.steps, STEP_ORDER if side == "service" else [*FLOOR_ORDER, *STEP_ORDER]),
         }
         SQL.cpu.clear()
         SQL.calls.clear()
@@ -293,6 +323,7 @@ async def _side(side: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     _timed_connections()
     _timed_service_steps()
+    _timed_floor_steps()
     with tempfile.TemporaryDirectory() as tmp:
         return {side: await _side(side, args, Path(tmp)) for side in ("floor", "service")}
 
@@ -303,15 +334,24 @@ def main() -> None:
     ap.add_argument("--encoding", choices=["binary", "json"], default="binary")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--size", type=int, default=10_000)
+    ap.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="what the statements and steps are timed by: the loop thread's CPU, or the time that passed",
+    )
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.perf_counter if args.clock == "wall" else time.thread_time
     out = asyncio.run(measure(args))
-    print(f"\nSQLite, {args.size:,} questions, {args.request}, medians of {args.steps} requests, CPU ms\n")
-    print("| side | process | event-loop thread | its sqlite3 calls |")
-    print("|---|---:|---:|---:|")
+    clock = "wall-clock ms" if args.clock == "wall" else "CPU ms of the event-loop thread"
+    print(f"\nSQLite, {args.size:,} questions, {args.request}, medians of {args.steps} requests\n")
+    print("| side | process CPU | event-loop thread CPU | wall | its sqlite3 calls (" + args.clock + ") |")
+    print("|---|---:|---:|---:|---:|")
     for side, m in out.items():
         sql = sum(ms for _, ms, _ in m["sql"])
-        print(f"| {side} | {m['process_ms']:.2f} | {m['loop_ms']:.2f} | {sql:.2f} |")
-    print("\nEvery sqlite3 call on the loop thread, ms per request (calls per request)\n")
+        print(f"| {side} | {m['process_ms']:.2f} | {m['loop_ms']:.2f} | {m['wall_ms']:.2f} | {sql:.2f} |")
+    print(f"\nEvery sqlite3 call on the loop thread, {clock} per request (calls per request)\n")
     print("| statement | floor | service |")
     print("|---|---:|---:|")
     floor = {k: (ms, n) for k, ms, n in out["floor"]["sql"]}
@@ -321,11 +361,12 @@ def main() -> None:
     ):
         cells = [f"{v[0]:.3f} ({v[1]:.2g})" if (v := d.get(key)) else "-" for d in (floor, service)]
         print(f"| `{key}` | {cells[0]} | {cells[1]} |")
-    print("\nThe service's steps, inclusive, ms per request (calls per request)\n")
-    print("| step | ms | calls |")
-    print("|---|---:|---:|")
-    for label, ms, n in out["service"]["steps"]:
-        print(f"| {label} | {ms:.3f} | {n:.3g} |")
+    for side in ("service", "floor"):
+        print(f"\nThe {side}'s steps, inclusive, {clock} per request (calls per request)\n")
+        print("| step | ms | calls |")
+        print("|---|---:|---:|")
+        for label, ms, n in out[side]["steps"]:
+            print(f"| {label} | {ms:.3f} | {n:.3g} |")
 
 
 if __name__ == "__main__":
