@@ -25,7 +25,7 @@ from service.factories import (
     run_stats,
     setup_pool,
 )
-from service.harness import ADMIN_TOKEN, Backend, bearer, db_rows, serve
+from service.harness import ADMIN_TOKEN, Backend, bearer, db_execute, db_rows, serve
 
 from exgrpo_client import schemas as s
 from exgrpo_pool.service import convert
@@ -212,3 +212,39 @@ async def test_a_recorded_key_holds_the_hash_of_its_request(backend: Backend) ->
         other = make_groups(plan, correct_first(lambda q: 1))
         clash = await client.post(path, json=other, headers=_keyed("hashed-commit"))
         assert clash.status_code == 422 and "different request" in clash.json()["detail"]
+
+
+async def test_a_commit_recorded_with_the_first_digest_replays_after_an_upgrade(backend: Backend) -> None:
+    """A service that made commit digests with `commit_digest_v1` left keys whose records hash that
+    content digest, and batches that keep `COMMIT_DIGEST_V1`. After the upgrade a retry of such a
+    commit under its key is still replayed (another commit under it still refused), and the commit
+    sent again without a key is still told apart from another one."""
+    async with serve(backend.settings()) as client:
+        await setup_pool(client, phase="mixed")
+        plan = (await client.post("/v1/pools/p1/runs/r1/batches", json={})).json()
+        body = make_groups(plan, correct_first(lambda q: 2))
+        path = f"/v1/pools/p1/batches/{plan['id']}/commit"
+        first = await client.post(path, json=body, headers=_keyed("upgraded"))
+        assert first.status_code == 200
+        # the key's record and the batch as the earlier version wrote them
+        model = s.BatchCommit.model_validate(body, strict=False)
+        convert.predecode(model.groups)
+        content = await convert.commit_request_v1(model)
+        recorded = hashlib.sha256(f"POST {path}\ncontent:{content}".encode()).hexdigest()
+        (result,) = await db_rows(backend.database_url, f"SELECT result FROM batch WHERE id = '{plan['id']}'")
+        stored = json.loads(result[0]) if isinstance(result[0], str) else dict(result[0])
+        assert stored.pop(convert.COMMIT_DIGEST) == convert.commit_digest(model)
+        stored[convert.COMMIT_DIGEST_V1] = convert.commit_digest_v1(model)
+        await db_execute(
+            backend.database_url,
+            f"UPDATE idempotency_key SET request_hash = '{recorded}' WHERE route = 'POST {path}'",
+            f"UPDATE batch SET result = '{json.dumps(stored)}' WHERE id = '{plan['id']}'",
+        )
+        again = await client.post(path, json=body, headers=_keyed("upgraded"))
+        assert again.status_code == 200 and again.headers.get("idempotent-replayed") == "true"
+        assert again.json() == first.json()
+        other = make_groups(plan, correct_first(lambda q: 1))
+        clash = await client.post(path, json=other, headers=_keyed("upgraded"))
+        assert clash.status_code == 422 and "different request" in clash.json()["detail"]
+        assert (await client.post(path, json=body)).json() == first.json()
+        assert (await client.post(path, json=other)).status_code == 409

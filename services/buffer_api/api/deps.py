@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -196,6 +196,7 @@ class Idempotency:
         respond: Responder | None = None,
         group: Hashable | None = None,
         content: Callable[[], Awaitable[str]] | None = None,
+        earlier: Sequence[Callable[[], Awaitable[str]]] = (),
     ) -> Any:
         """`reference`/`resolve`: remember a small reference instead of a large response body (a
         batch plan), and rebuild the response from it on a replay. `respond`: how an answer is
@@ -204,7 +205,9 @@ class Idempotency:
         `content`: gives a digest of everything the request asks for, which the key's record keeps
         (with the route) instead of a hash of the body's bytes: a commit's, made from its batch
         digest, so its payload is hashed once, and the same commit in another encoding is the
-        same request. A record of the body's bytes (written before) still replays them."""
+        same request. `earlier`: the content digests earlier versions of the service recorded for
+        such a request, tried in turn where the record's hash is not `content`'s; a record of the
+        body's bytes (written before requests had a content digest) still replays them."""
         write: Responder = respond or json_response
         if self.key is None:
             if group is None:
@@ -228,8 +231,8 @@ class Idempotency:
                 cached = await self._lookup()
                 if cached is not None:
                     if content is not None and cached.request_hash != await digest:
-                        # a record of the body's bytes, written before requests had a content digest
-                        digest = in_thread(lambda: request_hash(route, body))
+                        # a record an earlier version wrote
+                        digest = settled(asyncio.ensure_future(_recorded(cached, route, body, earlier)))
                     return await self._replay(cached, digest, resolve, write)
             try:
                 return await self._first(fn, status_code, route, digest, reference, write, group)
@@ -300,6 +303,19 @@ async def _content_hash(route: str, content: Awaitable[str]) -> str:
     """What a key's record keeps of a request with a content digest: the route's and the digest's
     hash, told apart from a body's hash by its prefix."""
     return request_hash(route, b"content:" + (await content).encode())
+
+
+async def _recorded(
+    cached: IdempotencyKey, route: str, body: bytes, earlier: Sequence[Callable[[], Awaitable[str]]]
+) -> str:
+    """The hash an earlier version recorded for this request, if it is one of them (`earlier`'s
+    content digests, then the body's bytes as requests without a content digest were recorded),
+    else the body's hash (which then tells the requests apart)."""
+    for content in earlier:
+        hashed = await _content_hash(route, content())
+        if hashed == cached.request_hash:
+            return hashed
+    return await in_thread(lambda: request_hash(route, body))
 
 
 def request_hash(route: str, body: bytes) -> str:

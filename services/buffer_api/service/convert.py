@@ -6,6 +6,7 @@ import contextvars
 import functools
 import hashlib
 import json
+import operator
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -93,21 +94,82 @@ def stored_plan(batch: AnyBatch) -> s.StoredPlan:
 
 
 #: The key of a committed batch's `result` JSON that holds, beside its answer, the digest of what
-#: was committed (`commit_digest`). Batches committed before it hold `LEGACY_DIGEST` (a digest of
-#: the commit's JSON text, base64 payloads included), or no digest at all.
-COMMIT_DIGEST = "commit_sha256"
+#: was committed (`commit_digest`). Batches committed before it hold `COMMIT_DIGEST_V1`
+#: (`commit_digest_v1`), `LEGACY_DIGEST` (a digest of the commit's JSON text, base64 payloads
+#: included), or no digest at all.
+COMMIT_DIGEST = "commit_sha256_v2"
+COMMIT_DIGEST_V1 = "commit_sha256"
 LEGACY_DIGEST = "groups_sha256"
-#: every rollout's payload fields, left out of the digest's JSON part (their bytes follow it)
+_DIGEST_KEYS = (COMMIT_DIGEST, COMMIT_DIGEST_V1, LEGACY_DIGEST)
+#: every rollout's payload fields, left out of `commit_digest_v1`'s JSON part (their bytes follow it)
 _PAYLOAD_FIELDS = {"token_ids", "token_ids_b64", "logprobs", "logprobs_b64"}
 _WITHOUT_PAYLOADS = {"groups": {"__all__": {"rollouts": {"__all__": _PAYLOAD_FIELDS}}}}
+#: what `commit_digest` hashes first: its layout's name
+_DIGEST_V2 = b"exgrpo commit digest v2\n"
 
 
 def commit_digest(req: s.BatchCommit) -> str:
-    """What a commit applies, whatever its encoding: its groups without their payload fields and its
-    policy version (not metrics or with_stats) as JSON, then every rollout's payload as packed
-    bytes (little-endian int32 ids, float32 log-probs) behind their lengths. A frame, base64 and
-    JSON lists of the same commit give the same digest, so a commit sent again in another encoding
-    is the same commit. (Hashing the JSON text, base64 included, cost ~21 ms of a 4.8 MB commit.)"""
+    """What a commit applies, whatever its encoding: SHA-256 of `_DIGEST_V2`, then as JSON (orjson,
+    `jsonwrite.dumps`) `[policy_version, [[question_id, replay_trajectory_id, [[reward, entropy,
+    replayed, finish_reason, text], ...]], ...], [tokens, ...]]` (every rollout's payload's token
+    count in order, -1 where it has none; metrics and with_stats left out), then every payload's
+    packed token ids (little-endian int32) one after the other, then every payload's packed
+    log-probs (float32). A frame, base64 and JSON lists of the same commit give the same digest,
+    so a commit sent again in another encoding is the same commit.
+
+    It is computed in a thread beside the commit's statements (the route), and the Python part of
+    it holds the GIL, which the loop then waits for (in its first statement). `commit_digest_v1`
+    cost ~8.5 ms of a 1,024-rollout commit, ~5.5 of them with the GIL (the model's JSON with its
+    payload fields excluded, the bytes joined rollout by rollout), and the commit's first statement
+    waited 5.2-6.7 ms; this one costs ~5 ms, ~1.5 of them with the GIL (comprehensions, one join),
+    and that statement waits 4.0-4.8 ms (`bench/write_steps.py --clock wall`, in process)."""
+    groups = req.groups
+    rollouts = [r for g in groups for r in g.rollouts]
+    packed = [packed_of(r) for r in rollouts]
+    if None in packed and any(
+        _payload_fields(r) != _NO_PAYLOAD for p, r in zip(packed, rollouts, strict=True) if p is None
+    ):  # a payload not decoded yet (lists or base64 the route did not decode: a replay's check)
+        packed = _decoded(groups, packed)
+    meta = [
+        req.policy_version,
+        [[g.question_id, g.replay_trajectory_id, [_digested_fields(r) for r in g.rollouts]] for g in groups],
+        [-1 if p is None else len(p[0]) // 4 for p in packed],
+    ]
+    parts = [_DIGEST_V2, jsonwrite.dumps(meta)]
+    parts += [p[0] for p in packed if p is not None]
+    parts += [p[1] for p in packed if p is not None]
+    # one buffer, one update: hashlib lets go of the GIL while it hashes it, and takes it back once
+    # (each time the thread takes it back while the loop holds it, the loop gives it up and waits)
+    return hashlib.sha256(b"".join(parts)).hexdigest()
+
+
+#: a rollout's fields in `commit_digest` (validated: a reward or an entropy sent as 1 is 1.0 here,
+#: as sent as 1.0), and its payload fields, all None where it sent no payload or sent it in a frame
+_digested_fields = operator.attrgetter("reward", "entropy", "replayed", "finish_reason", "text")
+_payload_fields = operator.attrgetter("token_ids", "token_ids_b64", "logprobs", "logprobs_b64")
+_NO_PAYLOAD = (None, None, None, None)
+
+
+def _decoded(
+    groups: list[s.GroupResult], packed: list[tuple[bytes, bytes] | None]
+) -> list[tuple[bytes, bytes] | None]:
+    """`packed` with the payload of every rollout that carries one not decoded yet."""
+    out = list(packed)
+    i = 0
+    for gi, g in enumerate(groups):
+        for ri, r in enumerate(g.rollouts):
+            if out[i] is None:
+                arrays = decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
+                out[i] = None if arrays is None else (arrays[0].tobytes(), arrays[1].tobytes())
+            i += 1
+    return out
+
+
+def commit_digest_v1(req: s.BatchCommit) -> str:
+    """`COMMIT_DIGEST_V1`, the digest batches were committed with before `commit_digest` (kept to
+    recognise their commits sent again): its groups without their payload fields and its policy
+    version as the model's JSON, then every rollout's payload as packed bytes behind their
+    lengths."""
     meta = req.model_dump_json(include={"groups", "policy_version"}, exclude=_WITHOUT_PAYLOADS)
     parts: list[bytes] = [meta.encode()]
     for gi, g in enumerate(req.groups):
@@ -122,9 +184,6 @@ def commit_digest(req: s.BatchCommit) -> str:
             lengths = len(packed[0]).to_bytes(8, "little") + len(packed[1]).to_bytes(8, "little")
             parts.append(b"\x01" + lengths)
             parts += packed
-    # one update over one buffer: hashlib lets go of the GIL while it hashes it, so a digest
-    # computed in a thread runs beside the request's other work (`commit_batch`); an update per
-    # rollout would wait for the GIL after each of them
     return hashlib.sha256(b"".join(parts)).hexdigest()
 
 
@@ -132,8 +191,17 @@ async def commit_request(req: s.BatchCommit, digest: Awaitable[str]) -> str:
     """A commit request's content digest (`Idempotency.run`'s `content`): its commit digest and
     the rest of its body (metrics, with_stats) as JSON. Two commits with the same content digest
     ask for the same thing, whatever their encodings."""
-    rest = req.model_dump_json(exclude={"groups", "policy_version"})
-    return f"{await digest} {rest}"
+    return f"{await digest} {_rest(req)}"
+
+
+async def commit_request_v1(req: s.BatchCommit) -> str:
+    """`commit_request` as it was made with `commit_digest_v1`: what the records of idempotency
+    keys written before `commit_digest` keep (a retry of such a commit is still that commit)."""
+    return f"{commit_digest_v1(req)} {_rest(req)}"
+
+
+def _rest(req: s.BatchCommit) -> str:
+    return req.model_dump_json(exclude={"groups", "policy_version"})
 
 
 def _legacy_digest(req: s.BatchCommit) -> str:
@@ -152,7 +220,7 @@ def _legacy_digest(req: s.BatchCommit) -> str:
 def committed_result(batch: AnyBatch) -> s.CommitResult:
     """The answer of a committed batch's commit."""
     assert batch.result is not None
-    answer = {k: v for k, v in batch.result.items() if k not in (COMMIT_DIGEST, LEGACY_DIGEST)}
+    answer = {k: v for k, v in batch.result.items() if k not in _DIGEST_KEYS}
     return s.CommitResult.model_validate(answer, strict=False)
 
 
@@ -162,6 +230,8 @@ def same_commit(batch: AnyBatch, req: s.BatchCommit, digest: str | None = None) 
     assert batch.result is not None
     if COMMIT_DIGEST in batch.result:
         return bool(batch.result[COMMIT_DIGEST] == (digest or commit_digest(req)))
+    if COMMIT_DIGEST_V1 in batch.result:
+        return bool(batch.result[COMMIT_DIGEST_V1] == commit_digest_v1(req))
     if LEGACY_DIGEST in batch.result:
         return bool(batch.result[LEGACY_DIGEST] == _legacy_digest(req))
     return True
