@@ -150,6 +150,21 @@ def test_trajectory_key_from_bytes_equals_key_from_array() -> None:
     assert trajectory_key(ids.astype("<i4").tobytes()) == trajectory_key(ids)
 
 
+def test_trajectory_key_from_a_view_equals_key_from_bytes() -> None:
+    """A view into a frame's buffer (how a frame's payload reaches the key), of any format, and a
+    strided one, hash the bytes they show."""
+    ids = np.array([7, 8, 9, 10], dtype="<i4")
+    raw = ids.tobytes()
+    frame = b"head" + raw + b"tail"
+    assert trajectory_key(memoryview(frame)[4 : 4 + len(raw)]) == trajectory_key(raw)
+    assert trajectory_key(memoryview(ids)) == trajectory_key(raw)
+    every_other = memoryview(np.array([7, 0, 8, 0, 9, 0, 10, 0], dtype="<i4"))[::2]
+    assert trajectory_key(every_other) == trajectory_key(raw)
+    for bad in (memoryview(frame)[4:7], memoryview(b"")):
+        with pytest.raises(ValueError):
+            trajectory_key(bad)
+
+
 def test_trajectory_key_does_not_depend_on_integer_dtype() -> None:
     ids = [3, 1, 4, 1, 5]
     keys = {

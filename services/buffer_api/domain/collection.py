@@ -84,7 +84,13 @@ def trajectory_key(token_ids: np.ndarray | bytes) -> bytes:
         ValueError: the ids are empty, not 1-D integers, outside the int32 range, or the byte
             string's length is not a multiple of 4.
     """
-    if isinstance(token_ids, bytes | bytearray | memoryview):
+    if isinstance(token_ids, memoryview):
+        # a view into a frame's buffer, hashed where it lies (a strided one copied first)
+        size = token_ids.nbytes
+        if size == 0 or size % 4:
+            raise ValueError(f"token bytes must be a non-empty multiple of 4 bytes, got {size}")
+        return hashlib.sha256(token_ids if token_ids.c_contiguous else token_ids.tobytes()).digest()
+    if isinstance(token_ids, bytes | bytearray):
         raw = bytes(token_ids)
         if len(raw) == 0 or len(raw) % 4:
             raise ValueError(f"token bytes must be a non-empty multiple of 4 bytes, got {len(raw)}")
