@@ -17,6 +17,7 @@ from exgrpo_pool.service.convert import (
     LEGACY_DIGEST,
     _legacy_digest,
     commit_digest,
+    commit_digest_parts,
     commit_digest_v1,
     committed_result,
     predecode,
@@ -102,6 +103,8 @@ def test_the_digest_is_the_documented_byte_layout() -> None:
     lps = np.asarray([-0.5] * 3, dtype="<f4").tobytes()
     layout = b"exgrpo commit digest v2\n" + jsonwrite.dumps(meta) + ids + lps
     assert commit_digest(req) == hashlib.sha256(layout).hexdigest()
+    # the parts the route makes on the loop and hashes in a thread are that layout
+    assert b"".join(commit_digest_parts(req)) == layout
 
 
 def test_the_first_digest_is_the_documented_byte_layout() -> None:

@@ -616,7 +616,7 @@ async def commit_batch(
     lease: LeaseClaim | None,
     digest: Awaitable[str],
 ) -> s.CommitResult:
-    """`digest`: `commit_digest(req)`, started by the route in a thread (the payload hashed once:
+    """`digest`: `commit_digest(req)`, hashed by the route in a thread (the payload hashed once:
     its idempotency record's digest is made from it too), awaited beside the writes below."""
     async with ctx.db.write() as session:
         found = await repo.batch_rows(session, pool_name, batch_id, lock=True)

@@ -109,20 +109,28 @@ _DIGEST_V2 = b"exgrpo commit digest v2\n"
 
 
 def commit_digest(req: s.BatchCommit) -> str:
-    """What a commit applies, whatever its encoding: SHA-256 of `_DIGEST_V2`, then as JSON (orjson,
+    """What a commit applies, whatever its encoding: SHA-256 of `commit_digest_parts` joined. A
+    frame, base64 and JSON lists of the same commit give the same digest, so a commit sent again in
+    another encoding is the same commit."""
+    return digest_of(commit_digest_parts(req))
+
+
+def commit_digest_parts(req: s.BatchCommit) -> list[bytes]:
+    """What `commit_digest` hashes, in order: `_DIGEST_V2`, then as JSON (orjson,
     `jsonwrite.dumps`) `[policy_version, [[question_id, replay_trajectory_id, [[reward, entropy,
     replayed, finish_reason, text], ...]], ...], [tokens, ...]]` (every rollout's payload's token
     count in order, -1 where it has none; metrics and with_stats left out), then every payload's
     packed token ids (little-endian int32) one after the other, then every payload's packed
-    log-probs (float32). A frame, base64 and JSON lists of the same commit give the same digest,
-    so a commit sent again in another encoding is the same commit.
+    log-probs (float32).
 
-    It is computed in a thread beside the commit's statements (the route), and the Python part of
-    it holds the GIL, which the loop then waits for (in its first statement). `commit_digest_v1`
-    cost ~8.5 ms of a 1,024-rollout commit, ~5.5 of them with the GIL (the model's JSON with its
-    payload fields excluded, the bytes joined rollout by rollout), and the commit's first statement
-    waited 5.2-6.7 ms; this one costs ~5 ms, ~1.5 of them with the GIL (comprehensions, one join),
-    and that statement waits 4.0-4.8 ms (`bench/write_steps.py --clock wall`, in process)."""
+    The route makes the parts on the loop and hashes them in a thread (`digest_of`) beside the
+    commit's statements. Work done with the GIL in that thread is work the loop waits for (in the
+    statement it was in when the thread took the GIL, with the wake-ups on top): `commit_digest_v1`,
+    made whole in the thread, cost ~8.5 ms of a 1,024-rollout commit, ~5.5 of them with the GIL
+    (the model's JSON with its payload fields excluded, the bytes joined rollout by rollout), and
+    the commit's first statement waited 5.2-6.7 ms for it; these parts take ~1.5 ms
+    (comprehensions), and the thread only joins and hashes them (`bench/write_steps.py --clock
+    wall`, in process)."""
     groups = req.groups
     rollouts = [r for g in groups for r in g.rollouts]
     packed = [packed_of(r) for r in rollouts]
@@ -138,8 +146,13 @@ def commit_digest(req: s.BatchCommit) -> str:
     parts = [_DIGEST_V2, jsonwrite.dumps(meta)]
     parts += [p[0] for p in packed if p is not None]
     parts += [p[1] for p in packed if p is not None]
-    # one buffer, one update: hashlib lets go of the GIL while it hashes it, and takes it back once
-    # (each time the thread takes it back while the loop holds it, the loop gives it up and waits)
+    return parts
+
+
+def digest_of(parts: list[bytes]) -> str:
+    """SHA-256 of `parts` joined, as hex: one buffer, one update, so that hashlib lets go of the
+    GIL while it hashes and takes it back once (each time a thread takes it back while the loop
+    holds it, the loop gives it up and waits)."""
     return hashlib.sha256(b"".join(parts)).hexdigest()
 
 
