@@ -1277,12 +1277,11 @@ async def measure(backend: str, size: int, opts: Options, fresh_seed: bool) -> C
             log(f"  {tag}: starting the floor on the service's side")
             own = str(work_file) if backend == "sqlite" else _seed.pg_url(opts.pg_dsn, work_db)
             server = await asyncio.to_thread(start_server, {"FLOOR_DATABASE": own}, log_path, None, FLOOR)
-            env = {}
             res["floor_twice"] = True
         else:
             log(f"  {tag}: starting service")
             server = await asyncio.to_thread(start_server, env, log_path, profile_path)
-        if "EXGRPO_REDIS_URL" in env:
+        if "EXGRPO_REDIS_URL" in env and not opts.floor_twice:
             server.redis_url, server.redis_prefix = opts.redis_url, redis_prefix
         res["startup_s"] = round(server.startup_s, 2)
         log(f"  {tag}: ready in {server.startup_s:.1f}s, measuring")

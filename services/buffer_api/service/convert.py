@@ -137,7 +137,8 @@ def commit_digest_parts(req: s.BatchCommit) -> list[bytes]:
     if None in packed and any(
         _payload_fields(r) != _NO_PAYLOAD for p, r in zip(packed, rollouts, strict=True) if p is None
     ):  # a payload not decoded yet (lists or base64 the route did not decode: a replay's check)
-        packed = _decoded(groups, packed)
+        predecode(groups)
+        packed = [packed_of(r) for r in rollouts]
     meta = [
         req.policy_version,
         [[g.question_id, g.replay_trajectory_id, [_digested_fields(r) for r in g.rollouts]] for g in groups],
@@ -163,34 +164,17 @@ _payload_fields = operator.attrgetter("token_ids", "token_ids_b64", "logprobs", 
 _NO_PAYLOAD = (None, None, None, None)
 
 
-def _decoded(
-    groups: list[s.GroupResult], packed: list[tuple[bytes, bytes] | None]
-) -> list[tuple[bytes, bytes] | None]:
-    """`packed` with the payload of every rollout that carries one not decoded yet."""
-    out = list(packed)
-    i = 0
-    for gi, g in enumerate(groups):
-        for ri, r in enumerate(g.rollouts):
-            if out[i] is None:
-                arrays = decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
-                out[i] = None if arrays is None else (arrays[0].tobytes(), arrays[1].tobytes())
-            i += 1
-    return out
-
-
 def commit_digest_v1(req: s.BatchCommit) -> str:
     """`COMMIT_DIGEST_V1`, the digest batches were committed with before `commit_digest` (kept to
     recognise their commits sent again): its groups without their payload fields and its policy
     version as the model's JSON, then every rollout's payload as packed bytes behind their
     lengths."""
+    predecode(req.groups)  # the payloads not decoded yet, kept on their rollouts as the route keeps them
     meta = req.model_dump_json(include={"groups", "policy_version"}, exclude=_WITHOUT_PAYLOADS)
     parts: list[bytes] = [meta.encode()]
-    for gi, g in enumerate(req.groups):
-        for ri, r in enumerate(g.rollouts):
+    for g in req.groups:
+        for r in g.rollouts:
             packed = packed_of(r)
-            if packed is None:
-                arrays = decode_payload(r, f"groups[{gi}].rollouts[{ri}] (question {g.question_id})")
-                packed = None if arrays is None else (arrays[0].tobytes(), arrays[1].tobytes())
             if packed is None:
                 parts.append(b"\x00")
                 continue
