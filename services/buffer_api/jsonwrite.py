@@ -8,7 +8,9 @@ questions with ~4 MB of base64 payloads, against ~5 us and ~0.14 ms with orjson.
 same bytes for every plain JSON value (`tests/unit/test_json_write.py`); what it would write
 otherwise or not at all (integers past 64 bits, datetimes, bytes, subclasses of str or int,
 non-string keys) it refuses, and those go to pydantic-core. Non-finite floats are `null` either
-way, as the answers' models write them (pydantic-core alone writes `NaN` for a plain value)."""
+way, as the answers' models write them (pydantic-core alone writes `NaN` for a plain value). JSON
+text kept as a database gave it (`orjson.Fragment`: a page's prompts and metadata on Postgres) is
+written as it is; it goes only where every other value is plain (pydantic-core cannot write one)."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -314,3 +315,52 @@ async def test_access_line_and_histogram_of_every_answer(client: httpx.AsyncClie
     text = (await client.get("/metrics")).text
     assert 'exgrpo_http_request_seconds_count{method="GET",route="unmatched",status="404"} 1.0' in text
     assert 'exgrpo_http_request_seconds_count{method="GET",route="/v1/pools/{pool}",status="200"} 1.0' in text
+
+
+#: metadata whose JSON text a database may keep in another form than the client sent it (Postgres
+#: keeps JSONB: keys in its own order, numbers as `numeric`, spaces of its own). Not here: what JSONB
+#: itself changes (-0.0 reads back as 0, 2.5e300 as its 301 digits), whichever way it is read.
+_TRICKY_METADATA: list[dict[str, Any]] = [
+    {},
+    {"b": 1, "a": [1.0, 0.1, 1.5e-7, 2.5e-300, 123456789012345678901234567890], "": None},
+    {"nested": {"deep": [{"x": [True, False, None]}, []], "empty": {}}, "zz": "last", "a": "first"},
+    {"text": 'quote " backslash \\ tab \t newline \n bell \x07 é ✓ 😀 \u2028', "k\u00e9y": "\ud7ff"},
+    {"n": -9223372036854775808, "m": 9223372036854775807, "f": 3.141592653589793},
+]
+
+
+async def test_a_page_of_questions_answers_their_prompts_and_metadata_as_imported(
+    client: httpx.AsyncClient,
+) -> None:
+    """The page gives the values the import took and the question's own read gives, whatever form
+    the database keeps their JSON in, as strict JSON (no NaN, no control character unescaped)."""
+    await create_pool(client)
+    sent = []
+    for i, meta in enumerate(_TRICKY_METADATA):
+        body = question_body(i)
+        body["prompt"] = [
+            {"role": "system", "content": f'sys {i} \u00e9\n"quoted"'},
+            {"role": "user", "content": f"What is {i} + 0? \\boxed{{}} \t 😀"},
+        ]
+        body["metadata"] = meta
+        sent.append(body)
+    ok(await client.post("/v1/pools/p1/questions", json={"questions": sent}))
+    r = await client.get("/v1/pools/p1/questions", params={"limit": 100})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+
+    def refuse(constant: str) -> Any:
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    page = json.loads(r.content, parse_constant=refuse)
+    assert page["count"] == len(sent) and page["next_after"] is None
+    for q, body in zip(page["data"], sent, strict=True):
+        assert q["prompt"] == body["prompt"]
+        assert q["metadata"] == body["metadata"]
+        # the keys as the import gave them, whichever order the database keeps them in
+        assert sorted(q["metadata"]) == sorted(body["metadata"])
+        detail = await question_detail(client, q["id"])
+        assert detail["prompt"] == q["prompt"] and detail["metadata"] == q["metadata"]
+        assert {k: detail[k] for k in q} == q
+    # the same question on the next page alone, written the same way
+    one = ok(await client.get("/v1/pools/p1/questions", params={"after": page["data"][0]["id"], "limit": 1}))
+    assert one["data"] == page["data"][1:2]

@@ -337,7 +337,8 @@ def question_public(q: Question, pool_name: str) -> s.QuestionPublic:
 
 def question_bodies(rows: Iterable[PageRow], pool_name: str) -> list[dict[str, Any]]:
     """What `question_public` answers for each question of a page, as JSON values (the prompt as
-    stored: validated on import), in one pass over its rows."""
+    stored: validated on import; on Postgres the prompt and the metadata as their stored JSON text,
+    `repo.question_page`), in one pass over its rows."""
     return [
         {
             "id": qid,

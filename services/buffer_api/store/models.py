@@ -357,8 +357,9 @@ class BatchRow:
 
 
 #: a question of a page (`repo.question_page`): id, prompt, ground truth, data source, external
-#: id, metadata and creation time, each as SQLAlchemy gives it
-PageRow = tuple[int, list[dict[str, Any]], str, str, str | None, dict[str, Any], datetime]
+#: id, metadata and creation time, each as SQLAlchemy gives it, but on Postgres the prompt and the
+#: metadata as their JSON text, to be written into the answer as they are (`orjson.Fragment`)
+PageRow = tuple[int, Any, str, str, str | None, Any, datetime]
 
 AnyPool = Pool | PoolRow
 AnyRun = Run | RunRow
