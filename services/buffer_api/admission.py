@@ -65,11 +65,14 @@ class Admission:
         if self._slots is None:  # made in the server's event loop
             self._slots = asyncio.Semaphore(self.limit)
         place = _Place(self._slots)
-        self.waiting.inc()
-        try:
+        if self._slots.locked():
+            self.waiting.inc()
+            try:
+                await place.take()
+            finally:
+                self.waiting.dec()
+        else:  # a free place is taken without giving the loop up: nobody could see it counted
             await place.take()
-        finally:
-            self.waiting.dec()
 
         async def answering(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -336,7 +336,9 @@ class Observability:
         latency.observe(elapsed)
         MutableHeaders(scope=message)["X-Request-ID"] = request_id
         access = self.access
-        if access.isEnabledFor(logging.INFO):
+        # no record where no handler would take it (a process that set up no logging: Python's
+        # last resort drops INFO): making one and passing it up cost ~16 us of a ~270 us request
+        if access.isEnabledFor(logging.INFO) and access.hasHandlers():
             fields = {
                 "method": scope["method"],
                 "route": route,

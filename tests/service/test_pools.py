@@ -317,6 +317,41 @@ async def test_access_line_and_histogram_of_every_answer(client: httpx.AsyncClie
     assert 'exgrpo_http_request_seconds_count{method="GET",route="/v1/pools/{pool}",status="200"} 1.0' in text
 
 
+async def test_no_access_record_is_made_where_no_handler_would_take_it(client: httpx.AsyncClient) -> None:
+    """With the access logger at INFO and no handler on its way up (an app in a process that set
+    up no logging), no record is made for a request (Python would drop it: its last-resort handler
+    takes warnings and above); a handler added while the service runs gets every line from then on."""
+    await create_pool(client, "p1")
+    access = logging.getLogger("exgrpo.access")
+    made: list[logging.LogRecord] = []
+    real = access.makeRecord
+
+    def spy(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    level, propagate = access.level, access.propagate
+    lines = _AccessLines()
+    access.setLevel(logging.INFO)
+    access.propagate = False  # the test run's own handlers sit on the root
+    access.makeRecord = spy  # type: ignore[method-assign]
+    try:
+        ok(await client.get("/v1/pools/p1"))
+        ok(await client.get("/v1/pools/p1/questions"))
+        assert made == []
+        access.addHandler(lines)
+        ok(await client.get("/v1/pools/p1/questions", headers={"X-Request-ID": "later-1"}))
+    finally:
+        del access.makeRecord
+        access.removeHandler(lines)
+        access.setLevel(level)
+        access.propagate = propagate
+    assert len(made) == 1
+    assert [(f["route"], f["status"], f["request_id"]) for f in lines.fields] == [
+        ("/v1/pools/{pool}/questions", 200, "later-1")
+    ]
+
+
 #: metadata whose JSON text a database may keep in another form than the client sent it (Postgres
 #: keeps JSONB: keys in its own order, numbers as `numeric`, spaces of its own). Not here: what JSONB
 #: itself changes (-0.0 reads back as 0, 2.5e300 as its 301 digits), whichever way it is read.
