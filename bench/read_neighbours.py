@@ -8,7 +8,10 @@ three orders, before and after `--writes` plan + commit pairs per encoding on bo
 
 * ``pages``: pages only, service and floor taking turns;
 * ``in a row``: all of one side's pages, then all of the other's;
-* ``with stats``: `pool_bench.py`'s order (run stats, pool stats, page; each to both sides).
+* ``with stats``: `pool_bench.py`'s order (run stats, pool stats, page; each to both sides);
+* ``after a count elsewhere`` (Postgres): before each pair of pages, each side's database counts the
+  last five minutes' trajectories for a client of its own (what the stats' count costs the
+  database, without either side's stats request).
 
 Per order and side: the p50 latency and the median server CPU (every thread of the process, read
 around each request), with service/floor. Once a run has committed for a while, its stats count
@@ -32,6 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,10 +47,22 @@ PAGE = f"{PREFIX}/questions?limit=50"
 STATS = (f"{PREFIX}/runs/{_seed.RUN_NAME}/stats", f"{PREFIX}/stats")
 
 
-async def _order(apis: dict[str, pb.Api], order: str, reads: int) -> dict[str, tuple[float, float]]:
+#: what a run's stats count of its recent trajectories, run on a connection of neither side
+RECENT = "SELECT count(*) FROM trajectory WHERE created_at >= now() - interval '5 minutes'"
+
+
+async def _order(
+    apis: dict[str, pb.Api], order: str, reads: int, others: list[Any]
+) -> dict[str, tuple[float, float]]:
     """(p50 ms, median CPU ms) of each side's pages in `order`."""
     got: dict[str, list[pb.Sample]] = {side: [] for side in apis}
-    if order == "in a row":
+    if order == "after a count elsewhere":
+        for _ in range(reads):
+            for conn in others:  # each side's database counts, for a client that is neither side
+                await conn.fetchval(RECENT)
+            for side, api in apis.items():
+                got[side].append((await pb.timed_get(api, PAGE))[1])
+    elif order == "in a row":
         for side, api in apis.items():
             for _ in range(reads):
                 got[side].append((await pb.timed_get(api, PAGE))[1])
@@ -117,10 +133,18 @@ async def measure(args: argparse.Namespace) -> list[tuple[int, str, dict[str, tu
                 for _ in range(30):
                     await pb.timed_get(api, PAGE)
             trainers = {side: pb.Trainer(seed=args.size) for side in apis}
+            others: list[Any] = []
+            for db in drop:
+                conn = await asyncpg.connect(_seed.pg_url(args.pg_dsn, db))
+                stack.push_async_callback(conn.close)
+                others.append(conn)
             for pairs in (0, args.writes):
                 await _writes(apis, trainers, pairs)
-                for order in ("pages", "in a row", "with stats"):
-                    rows.append((pairs, order, await _order(apis, order, args.reads)))
+                orders = ["pages", "in a row", "with stats"]
+                if others:
+                    orders.append("after a count elsewhere")
+                for order in orders:
+                    rows.append((pairs, order, await _order(apis, order, args.reads, others)))
                     print(f"after {pairs} plan + commit pairs: {order} done", file=sys.stderr, flush=True)
     finally:
         for s in servers:
