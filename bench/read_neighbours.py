@@ -97,11 +97,13 @@ async def measure(args: argparse.Namespace) -> list[tuple[int, str, dict[str, tu
     servers: list[pb.Server] = []
     drop: list[str] = []
     redis_prefix = f"exgrpo-bench-{uuid.uuid4().hex[:8]}"
+    shape = _seed.Shape(questions=args.size)
+    missing = f"no seeded pool of {args.size:,} questions of this schema: run pool_bench.py --backends"
     try:
         if args.backend == "sqlite":
             seed = pb.CACHE / f"sqlite-{args.size}.db"
-            if not seed.exists():
-                raise SystemExit(f"no seeded pool at {seed}: run pool_bench.py --sizes {args.size} first")
+            if not _seed.sqlite_cache_ok(shape, seed):
+                raise SystemExit(f"{missing} sqlite --sizes {args.size} first")
             own, floor_copy = work / f"{tag}.db", work / f"{tag}-floor.db"
             _seed.copy_sqlite(seed, own)
             _seed.copy_sqlite(seed, floor_copy)
@@ -109,6 +111,8 @@ async def measure(args: argparse.Namespace) -> list[tuple[int, str, dict[str, tu
             floor_url = str(floor_copy)
         else:
             seed_db = f"exgrpo_bench_seed_{args.size}"
+            if not await _seed.pg_cache_ok(shape, args.pg_dsn, seed_db):
+                raise SystemExit(f"{missing} postgres --sizes {args.size} first")
             own_db, floor_db = tag.replace("-", "_"), tag.replace("-", "_") + "_floor"
             for db in (own_db, floor_db):
                 await _seed.copy_postgres(args.pg_dsn, seed_db, db)
