@@ -1,5 +1,5 @@
 """Fixtures shared by the test folders: a real pool service on a free loopback port, and a reader
-of the JSON lines our processes log.
+of the JSON lines our processes log; every test leaves the service's log levels as it found them.
 
 `live_server` runs uvicorn with the real app (SQLite in a temporary folder, anonymous access,
 which the service grants every scope on a loopback bind) in a background thread, once per
@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from hypothesis import settings
+from log_levels import service_log_levels_kept
 
 settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
@@ -54,6 +55,13 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
 def start_live_server() -> Callable[..., contextlib.AbstractContextManager[LiveServer]]:
     """`run_live_server` itself, for tests that need a server with their own settings."""
     return run_live_server
+
+
+@pytest.fixture(autouse=True)
+def _service_log_levels() -> Iterator[None]:
+    """No test leaves the service's log levels changed for the next (`service_log_levels_kept`)."""
+    with service_log_levels_kept():
+        yield
 
 
 @pytest.fixture
