@@ -84,26 +84,20 @@ def trajectory_key(token_ids: np.ndarray | bytes) -> bytes:
         ValueError: the ids are empty, not 1-D integers, outside the int32 range, or the byte
             string's length is not a multiple of 4.
     """
-    if isinstance(token_ids, memoryview):
-        # a view into a frame's buffer, hashed where it lies (a strided one copied first)
-        size = token_ids.nbytes
-        if size == 0 or size % 4:
-            raise ValueError(f"token bytes must be a non-empty multiple of 4 bytes, got {size}")
-        return hashlib.sha256(token_ids if token_ids.c_contiguous else token_ids.tobytes()).digest()
-    if isinstance(token_ids, bytes | bytearray):
-        raw = bytes(token_ids)
-        if len(raw) == 0 or len(raw) % 4:
-            raise ValueError(f"token bytes must be a non-empty multiple of 4 bytes, got {len(raw)}")
-    else:
-        arr = np.asarray(token_ids)
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError(f"token ids must be a non-empty 1-D array, got shape {arr.shape}")
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-        if int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX:
-            raise ValueError("token ids must fit in int32")
-        raw = arr.astype("<i4", copy=False).tobytes()
-    return hashlib.sha256(raw).digest()
+    if isinstance(token_ids, bytes | bytearray | memoryview):
+        # hashed where the bytes lie (a view into a frame's buffer too; a strided one copied first)
+        view = memoryview(token_ids)
+        if view.nbytes == 0 or view.nbytes % 4:
+            raise ValueError(f"token bytes must be a non-empty multiple of 4 bytes, got {view.nbytes}")
+        return hashlib.sha256(view if view.c_contiguous else view.tobytes()).digest()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"token ids must be a non-empty 1-D array, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX:
+        raise ValueError("token ids must fit in int32")
+    return hashlib.sha256(arr.astype("<i4", copy=False).tobytes()).digest()
 
 
 def dedup(keys: Sequence[bytes], existing: Collection[bytes]) -> list[int]:
