@@ -71,6 +71,11 @@ from exgrpo_pool.store.db import SQLITE_CACHE_MB
 _PHASES = get_args(s.Phase)
 _OVERRIDES = orjson.dumps(s.RunOverrides().model_dump()).decode()
 _TRAJ_COLS = "id, question_id, source_run_id, policy_version, step, reward, entropy, num_tokens, created_at"
+#: the trajectory tally's periods on Postgres (migration 0014): ten seconds of `created_at` from
+#: the epoch (the service folds those long past in the background, which the floor leaves)
+_PERIOD_S = 10
+_PERIOD = timedelta(seconds=_PERIOD_S)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class Db:
@@ -525,25 +530,39 @@ class Floor:
                 retired[sc] += n
             elif bucket >= 0 and n:
                 hist[sc][int(bucket)] = hist[sc].get(int(bucket), 0) + n
-        since = _now(self.db, datetime.now(UTC) - timedelta(minutes=5))
+        since = datetime.now(UTC) - timedelta(minutes=5)
         totals: dict[int, int] = {}
         recent: dict[int, int] = {}
         if self.db.pg:
+            # the tally's whole periods of the five minutes (migration 0014), and the shorter side
+            # of the period they begin in counted row by row (added after `since`, else subtracted)
+            first = (since - _EPOCH) // _PERIOD
+            start = _EPOCH + first * _PERIOD
+            if since - start <= start + _PERIOD - since:
+                lo, hi, sign = start, since, -1
+            else:
+                first, lo, hi, sign = first + 1, since, start + _PERIOD, 1
             recent_sql = (
-                f"SELECT 1, source_run_id, count(*) FROM trajectory WHERE source_run_id IN ({marks}) "
-                "AND created_at >= ? GROUP BY source_run_id"
+                "SELECT 1, run_id, sum(n) FROM trajectory_tally WHERE pool_id = ? "
+                f"AND run_id IN ({marks}) AND period >= ? GROUP BY run_id UNION ALL "
+                f"SELECT 2, source_run_id, count(*) FROM trajectory WHERE source_run_id IN ({marks}) "
+                "AND created_at >= ? AND created_at < ? GROUP BY source_run_id"
             )
-            recent_args: list[Any] = [*ids, since]
+            recent_args: list[Any] = [self.pool_id, *ids, first, *ids, lo, hi]
         else:  # a count per run over its part of the index: 2.3x faster than IN (...) GROUP BY
+            sign = 1
             one = "SELECT 1, ?, (SELECT count(*) FROM trajectory WHERE source_run_id = ? AND created_at >= ?)"
             recent_sql = " UNION ALL ".join([one] * len(ids))
-            recent_args = [v for i in ids for v in (i, i, since)]
-        for is_recent, run_id, n in await self.db.fetch(
+            recent_args = [v for i in ids for v in (i, i, _now(self.db, since))]
+        for kind, run_id, n in await self.db.fetch(
             f"SELECT 0, run_id, sum(n) FROM trajectory_tally WHERE pool_id = ? AND run_id IN ({marks}) "
             f"GROUP BY run_id UNION ALL {recent_sql}",
             self.pool_id, *ids, *recent_args,
         ):  # fmt: skip
-            (recent if is_recent else totals)[int(run_id)] = int(n)
+            if kind == 0:
+                totals[int(run_id)] = int(n)
+            else:
+                recent[int(run_id)] = recent.get(int(run_id), 0) + (sign * int(n) if kind == 2 else int(n))
         pg = self.db.pg
         length = "jsonb_array_length(b.plan -> 'replay')" if pg else "json_array_length(b.plan, '$.replay')"
         replayed = {
@@ -833,10 +852,11 @@ class Floor:
             got = await self.db.conn.fetchval(  # type: ignore[attr-defined]
                 f"WITH stored AS (INSERT INTO trajectory ({cols}) SELECT * FROM unnest({unnest}) "
                 "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING "
-                "RETURNING pool_id, source_run_id, num_tokens), "
-                "tallied AS (INSERT INTO trajectory_tally (pool_id, run_id, n, tokens) "
-                "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM stored "
-                "GROUP BY 1, 2) SELECT count(*) FROM stored",
+                "RETURNING pool_id, source_run_id, num_tokens, created_at), "
+                "tallied AS (INSERT INTO trajectory_tally (pool_id, run_id, period, n, tokens) "
+                "SELECT pool_id, coalesce(source_run_id, 0), "
+                f"floor(extract(epoch FROM created_at) / {_PERIOD_S})::bigint, count(*), sum(num_tokens) "
+                "FROM stored GROUP BY 1, 2, 3) SELECT count(*) FROM stored",
                 *[list(c) for c in zip(*rows, strict=True)],
             )
             return int(got)

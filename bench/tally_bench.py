@@ -69,10 +69,10 @@ _TRAJ_PG = (
 )
 #: with the tallies: the tally rows of what the INSERT stored, in the same statement (as the service)
 _TRAJ_PG_COUNTED = (
-    f"WITH stored AS ({_TRAJ_PG} RETURNING pool_id, source_run_id, num_tokens), "
-    "counted AS (INSERT INTO trajectory_tally (pool_id, run_id, n, tokens) "
-    "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM stored GROUP BY 1, 2) "
-    "SELECT count(*) FROM stored"
+    f"WITH stored AS ({_TRAJ_PG} RETURNING pool_id, source_run_id, num_tokens, created_at), "
+    "counted AS (INSERT INTO trajectory_tally (pool_id, run_id, period, n, tokens) "
+    "SELECT pool_id, coalesce(source_run_id, 0), floor(extract(epoch FROM created_at) / 10)::bigint, "
+    "count(*), sum(num_tokens) FROM stored GROUP BY 1, 2, 3) SELECT count(*) FROM stored"
 )
 #: the pool's oldest trajectories removed, as an eviction does
 _EVICT = (

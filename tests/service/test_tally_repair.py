@@ -57,19 +57,24 @@ async def _plant_drift(url: str) -> Said:
     questions = (await db_rows(url, f"SELECT count(*) FROM question WHERE pool_id = {p2}"))[0][0]
     await db_execute(
         url,
-        # tally rows without their counted rows, added the way the triggers add theirs
+        # tally rows without their counted rows, added the way the triggers add theirs (the
+        # trajectory tally's in period 0: on Postgres the periods long past, of no trajectory
+        # here; on SQLite, which keeps no periods, every trajectory's)
         f"INSERT INTO state_tally (scope, bucket, retired, n) VALUES ({scope}, {bucket}, false, 3)",
-        f"INSERT INTO trajectory_tally (pool_id, run_id, n, tokens) VALUES ({p1}, {run_id}, 0, 100)",
+        "INSERT INTO trajectory_tally (pool_id, run_id, period, n, tokens) "
+        f"VALUES ({p1}, {run_id}, 0, 0, 100)",
         "INSERT INTO state_tally (scope, bucket, retired, n) VALUES (-999, 2, false, 5)",
         f"DELETE FROM question_tally WHERE pool_id = {p2}",
     )
-    n, trajectories, tokens, questions = (int(v) for v in (n, trajectories, tokens, questions))
+    n, questions = int(n), int(questions)
+    # the cell's trajectories and tokens: none on Postgres (they lie in their recent periods)
+    had = (0, 0) if url.startswith("postgresql") else (int(trajectories), int(tokens))
     return {
         ("state_tally", (int(scope), int(bucket), 0)): ({"n": n + 3}, {"n": n}),
         ("state_tally", (-999, 2, 0)): ({"n": 5}, {"n": 0}),
-        ("trajectory_tally", (p1, int(run_id))): (
-            {"n": trajectories, "tokens": tokens + 100},
-            {"n": trajectories, "tokens": tokens},
+        ("trajectory_tally", (p1, int(run_id), 0)): (
+            {"n": had[0], "tokens": had[1] + 100},
+            {"n": had[0], "tokens": had[1]},
         ),
         ("question_tally", (p2,)): ({"n": 0}, {"n": questions}),
     }

@@ -25,6 +25,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
     true,
 )
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB
@@ -294,9 +295,12 @@ trajectory_tally = Table(
     Base.metadata,
     Column("pool_id", BigInteger, nullable=False),
     Column("run_id", BigInteger, nullable=False),
+    # the ten seconds of `created_at` its trajectories were made in (`repo.tally_period`); 0 for
+    # periods folded as long past (`repo.fold_tallies`, migration 0014)
+    Column("period", BigInteger, nullable=False, server_default=text("0")),
     Column("n", BigInteger, nullable=False),
     Column("tokens", BigInteger, nullable=False),
-    Index("ix_trajectory_tally_cell", "pool_id", "run_id"),
+    Index("ix_trajectory_tally_cell", "pool_id", "run_id", "period"),
 )
 question_tally = Table(
     "question_tally",

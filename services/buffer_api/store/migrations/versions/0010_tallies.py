@@ -12,7 +12,7 @@ row per statement and cell from statement triggers over the transition tables, s
 waits for another's count; `repo.fold_tallies` folds each cell's rows into one, after writes.
 Postgres has no INSERT trigger on `trajectory`: a transition table holds each new row with its
 payload copied in (~10 ms for a commit's 340 trajectories), so `repo.insert_trajectories` adds
-the tally rows of what it inserted in the same statement (`repo.TALLY_TRAJECTORIES` counts
+the tally rows of what it inserted in the same statement (`repo.tally_trajectories` counts
 rows inserted otherwise, as a bulk load does).
 
 The pool's trajectory index, (pool, tokens) since 0009 for the token sum, becomes (pool, id): the

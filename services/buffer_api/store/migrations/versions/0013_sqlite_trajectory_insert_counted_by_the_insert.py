@@ -6,7 +6,7 @@ row: ~4 us a row on this machine, 0.3 ms of an ingest's 85 trajectories and ~1.3
 statement per tally cell, as it does on Postgres, which never had this trigger. The DELETE and
 UPDATE triggers stay: a cascade from a deleted question or pool removes rows that no statement
 of the service names. Rows loaded around `insert_trajectories` (a bulk load) are counted by
-`repo.TALLY_TRAJECTORIES` into an empty tally.
+`repo.tally_trajectories` into an empty tally.
 
 The counts stand as they are both ways: what was stored before was counted by the trigger, what
 is stored after by the insert.

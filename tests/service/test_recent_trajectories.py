@@ -1,0 +1,217 @@
+"""A run's trajectories of the last five minutes (`ingest_per_minute`). On Postgres read from the
+trajectory tally's periods (migration 0014): the whole periods inside the five minutes summed from
+the tally, only the trajectories of part of the period the five minutes begin in counted row by
+row, so the count's work does not grow with the run's ingest rate; on SQLite counted row by row
+(no periods there, `repo._period_sql`). Exact on both backends wherever the five minutes begin in
+a period, after deletes, moves and folds."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+import pytest
+from sqlalchemy import select, text
+
+from exgrpo_pool.service import stats as stats_mod
+from exgrpo_pool.store import repo
+from exgrpo_pool.store.db import Database
+from exgrpo_pool.store.models import Question, Run, Trajectory
+
+from .factories import pool_stats, run_stats, setup_pool
+from .harness import ADMIN_TOKEN, Backend, serve_app
+
+POSTGRES = pytest.param("postgres-redis", marks=[pytest.mark.postgres, pytest.mark.redis])
+
+#: a period's start (periods are `repo.TALLY_PERIOD_S` long, counted from the epoch), later than
+#: the clock: no insert folds these rows' periods as long past (SQLite folds a run's at its inserts)
+ALIGNED = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+def _row(pool: int, qid: int, run: int, key: int, at: datetime) -> dict[str, Any]:
+    return {
+        "question_id": qid,
+        "pool_id": pool,
+        "scope": -pool,
+        "source_run_id": run,
+        "policy_version": 1,
+        "step": 1,
+        "token_ids": bytes(8),
+        "logprobs": bytes(8),
+        "num_tokens": 2,
+        "reward": 1.0,
+        "entropy": 0.5,
+        "dedup_key": key.to_bytes(32, "big"),
+        "text": None,
+        "created_at": at,
+    }
+
+
+async def _ids(db: Database) -> tuple[int, dict[str, int], list[int]]:
+    async with db.sessions() as session:
+        qids = [int(q) for q in (await session.scalars(select(Question.id).order_by(Question.id)))]
+        pool = int(await session.scalar(select(Question.pool_id)) or 0)
+        runs = {str(n): int(i) for n, i in (await session.execute(select(Run.name, Run.id))).all()}
+    return pool, runs, qids
+
+
+async def _store(db: Database, rows: list[dict[str, Any]]) -> None:
+    for start in range(0, len(rows), 500):  # a request's worth at a time, as the service stores them
+        async with db.hot_sessions() as session, session.begin():
+            await repo.insert_trajectories(session, rows[start : start + 500])
+
+
+async def _counted(db: Database, run: int, since: datetime) -> tuple[int, int]:
+    """(every trajectory of the run, those created at or after `since`), counted row by row."""
+    async with db.sessions() as session:
+        stmt = select(Trajectory.created_at).where(Trajectory.source_run_id == run)
+        made = (await session.execute(stmt)).all()
+    return len(made), sum(1 for (at,) in made if at >= since)
+
+
+@contextmanager
+def _now(monkeypatch: pytest.MonkeyPatch, at: datetime) -> Iterator[None]:
+    with monkeypatch.context() as m:
+        m.setattr(stats_mod, "utcnow", lambda: at)
+        yield
+
+
+@pytest.mark.parametrize("offset", [0.0, 0.25, 3.5, 5.0, 9.75])
+async def test_recent_trajectories_are_exact_wherever_the_five_minutes_begin(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, offset: float
+) -> None:
+    """Trajectories every quarter second over the six and a half minutes before `now`, `now` at
+    several points of a period: the stats' recent count is the rows' own, the boundary's row (created
+    exactly five minutes before) counted; after a delete of every third row, a move of some into
+    the past and a fold of the tallies, still."""
+    now = ALIGNED + timedelta(seconds=offset)
+    since = now - timedelta(minutes=5)
+    async with serve_app(backend.settings(), ADMIN_TOKEN) as (app, client):
+        await setup_pool(client, questions=8, runs=("r1", "r2"))
+        db: Database = app.state.ctx.db
+        pool, runs, qids = await _ids(db)
+        rows = [
+            _row(pool, qids[k % len(qids)], runs["r1" if k % 5 else "r2"], k, now - timedelta(seconds=k / 4))
+            for k in range(1560)
+        ]
+        await _store(db, rows)
+
+        async def check() -> None:
+            with _now(monkeypatch, now):
+                one = {r: await run_stats(client, run=r) for r in runs}
+                every = {r["run"]: r for r in (await pool_stats(client))["runs"]}
+            for name, run in runs.items():
+                total, recent = await _counted(db, run, since)
+                assert recent > 0 and total > recent
+                for stats in (one[name], every[name]):
+                    assert (stats["trajectories"], stats["ingest_per_minute"]) == (total, recent / 5.0), name
+
+        await check()
+        async with db.transaction() as session:
+            await session.execute(text("DELETE FROM trajectory WHERE id % 3 = 0"))
+        await check()
+        # some of the newest, an hour older: they leave the five minutes (and their periods)
+        old = now - timedelta(hours=1)
+        async with db.transaction() as session:
+            await session.execute(
+                text("UPDATE trajectory SET created_at = :old WHERE id % 7 = 1"),
+                {"old": old.strftime("%Y-%m-%d %H:%M:%S.%f") if db.is_sqlite else old},
+            )
+        await check()
+        async with db.transaction() as session:
+            await repo.fold_tallies(session, now=now)
+        await check()
+
+
+@pytest.mark.parametrize("backend", [POSTGRES], indirect=True)
+async def test_a_fold_leaves_one_row_per_run_for_the_periods_long_past(backend: Backend) -> None:
+    """Periods that ended more than `repo.TALLY_FOLD_AFTER` ago are folded into one row per cell
+    (period 0): the tally of a run that ingests for days stays a few dozen rows; the counts stand."""
+    now = ALIGNED
+    async with serve_app(backend.settings(), ADMIN_TOKEN) as (app, client):
+        await setup_pool(client, questions=4)
+        db: Database = app.state.ctx.db
+        pool, runs, qids = await _ids(db)
+        run = runs["r1"]
+        # one trajectory a minute over the two hours before now
+        await _store(db, [_row(pool, qids[k % 4], run, k, now - timedelta(minutes=k)) for k in range(120)])
+
+        async def cells() -> dict[int, int]:
+            async with db.sessions() as session:
+                got = await session.execute(
+                    text("SELECT period, sum(n) FROM trajectory_tally WHERE run_id = :r GROUP BY period"),
+                    {"r": run},
+                )
+                return {int(p): int(n) for p, n in got if n}
+
+        before = await cells()
+        assert len(before) == 120 and sum(before.values()) == 120
+        async with db.transaction() as session:
+            await repo.fold_tallies(session, now=now)
+        after = await cells()
+        kept = repo.TALLY_FOLD_AFTER // 60  # a row a minute younger than the fold's cut
+        assert after[0] == 120 - len(after) + 1 and len(after) in (kept + 1, kept + 2), after
+        assert {p: n for p, n in after.items() if p} == {p: n for p, n in before.items() if p in after}
+        async with db.sessions() as session:
+            drift = await repo.tally_drift(session, now=now)
+            assert [d for d in drift if d.tally == "trajectory_tally"] == []
+
+
+def _trajectory_rows_read(plan: Any) -> int:
+    """Rows that the nodes of an `EXPLAIN (ANALYZE, FORMAT JSON)` plan read from `trajectory`."""
+    if isinstance(plan, list):
+        return sum(_trajectory_rows_read(p) for p in plan)
+    node = plan.get("Plan", plan)
+    own = node.get("Relation Name") == "trajectory"
+    rows = int(node.get("Actual Rows", 0)) * int(node.get("Actual Loops", 1)) if own else 0
+    return rows + sum(_trajectory_rows_read(p) for p in node.get("Plans", []))
+
+
+@pytest.mark.parametrize("backend", [POSTGRES], indirect=True)
+async def test_postgres_reads_no_more_rows_for_a_run_that_ingested_more(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rows of `trajectory` that the stats statement reads (its plan, run with EXPLAIN
+    ANALYZE) for a run with ~300 and then ~3,000 trajectories of the last five minutes: the whole
+    periods come from the tally, so ten times the rows reads the boundary period's part ten times
+    (3 -> 30 rows here), not 301 -> 3,002 as when every recent row was counted."""
+    statements: list[tuple[str, list[Any]]] = []
+    rows_of = repo._driver_rows
+
+    async def spied(conn: Any, sql: str, args: Any) -> Any:
+        if "trajectory_tally" in sql and "FROM trajectory WHERE" in sql:
+            statements.append((sql, list(args)))
+        return await rows_of(conn, sql, args)
+
+    now = ALIGNED + timedelta(seconds=3)  # counted row by row: the period's first 3 s, subtracted
+    async with serve_app(backend.settings(), ADMIN_TOKEN) as (app, client):
+        await setup_pool(client, questions=8)
+        db: Database = app.state.ctx.db
+        pool, runs, qids = await _ids(db)
+        seen: dict[int, float] = {}
+        read: dict[int, int] = {}
+        for per_second, first_key in ((1, 0), (9, 10_000)):
+            rows = [
+                _row(pool, qids[k % 8], runs["r1"], first_key + k, now - timedelta(seconds=k / per_second))
+                for k in range(310 * per_second)  # ten seconds more than the five minutes
+            ]
+            await _store(db, rows)
+            monkeypatch.setattr(repo, "_driver_rows", spied)
+            with _now(monkeypatch, now):
+                seen[per_second] = (await run_stats(client))["ingest_per_minute"]
+            monkeypatch.setattr(repo, "_driver_rows", rows_of)
+            sql, args = statements[-1]
+            conn = await asyncpg.connect(
+                backend.database_url.replace("postgresql+asyncpg://", "postgresql://")
+            )
+            try:
+                plan = json.loads(await conn.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", *args))
+            finally:
+                await conn.close()
+            read[per_second] = _trajectory_rows_read(plan)
+    assert seen == {1: 301 / 5.0, 9: (301 + 2701) / 5.0}  # `since` itself counted
+    assert read == {1: 3, 9: 30}, read
