@@ -148,12 +148,48 @@ def _dollars(sql: str) -> str:
     return "".join(p + (f"${i + 1}" if i < len(parts) - 1 else "") for i, p in enumerate(parts))
 
 
+#: Postgres: the tallies' cells (keys, counts), folded as the service folds them (`repo.fold_tallies`)
+_TALLY_CELLS = {
+    "state_tally": (("scope", "bucket", "retired"), ("n",)),
+    "trajectory_tally": (("pool_id", "run_id", "period"), ("n", "tokens")),
+    "question_tally": (("pool_id",), ("n",)),
+}
+_FOLD_EVERY, _FOLD_AFTER_S = 64, 600
+
+
 class PgDb(Db):
     pg = True
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, url: str) -> None:
         self.conn = conn
         self.tx: Any = None
+        # the tallies folded after every `_FOLD_EVERY` writes in a task on a connection of its own,
+        # as the service folds them: their statement triggers add a row per statement and cell,
+        # and a floor that never folded them read ever more rows for its stats
+        self.url = url
+        self.writes = 0
+        self.fold_conn: Any = None
+        self.folding: asyncio.Task[None] | None = None
+
+    async def _fold(self) -> None:
+        import asyncpg
+
+        if self.fold_conn is None:
+            self.fold_conn = await asyncpg.connect(self.url)
+        cut = (datetime.now(UTC) - timedelta(seconds=_FOLD_AFTER_S) - _EPOCH) // _PERIOD
+        async with self.fold_conn.transaction():
+            await self.fold_conn.execute(
+                "UPDATE trajectory_tally SET period = 0 WHERE period > 0 AND period < $1", cut
+            )
+            for table, (keys, counts) in _TALLY_CELLS.items():
+                key_list, sums = ", ".join(keys), ", ".join(f"sum({c})" for c in counts)
+                nonzero = " OR ".join(f"sum({c}) <> 0" for c in counts)
+                await self.fold_conn.execute(
+                    f"WITH gone AS (DELETE FROM {table} WHERE ({key_list}) IN (SELECT {key_list} "
+                    f"FROM {table} GROUP BY {key_list} HAVING count(*) > 1 OR NOT ({nonzero})) RETURNING *) "
+                    f"INSERT INTO {table} ({key_list}, {', '.join(counts)}) SELECT {key_list}, {sums} "
+                    f"FROM gone GROUP BY {key_list} HAVING {nonzero}"
+                )
 
     async def fetch(self, sql: str, *args: Any) -> list[Any]:
         return list(await self.conn.fetch(_dollars(sql), *args))
@@ -170,6 +206,11 @@ class PgDb(Db):
 
     async def end(self, ok: bool) -> None:
         await (self.tx.commit() if ok else self.tx.rollback())
+        if ok:
+            self.writes += 1
+            if self.writes >= _FOLD_EVERY and (self.folding is None or self.folding.done()):
+                self.writes = 0
+                self.folding = asyncio.get_running_loop().create_task(self._fold())
 
 
 class Refused(Exception):
@@ -1092,7 +1133,7 @@ async def _connect(url: str) -> Db:
         import asyncpg
 
         conn = await asyncpg.connect(url)
-        return PgDb(conn)
+        return PgDb(conn, url)
     return SqliteDb(url)
 
 
