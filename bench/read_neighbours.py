@@ -10,8 +10,9 @@ three orders, before and after `--writes` plan + commit pairs per encoding on bo
 * ``in a row``: all of one side's pages, then all of the other's;
 * ``with stats``: `pool_bench.py`'s order (run stats, pool stats, page; each to both sides);
 * ``after a count elsewhere`` (Postgres): before each pair of pages, each side's database counts the
-  last five minutes' trajectories for a client of its own (what the stats' count costs the
-  database, without either side's stats request).
+  last five minutes' trajectories for a client of its own (what the stats' count cost the
+  database before migration 0014 read whole periods from the tally, without either side's stats
+  request).
 
 Per order and side: the p50 latency and the median server CPU (every thread of the process, read
 around each request), with service/floor. Once a run has committed for a while, its stats count
