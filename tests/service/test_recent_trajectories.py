@@ -161,6 +161,39 @@ async def test_a_fold_leaves_one_row_per_run_for_the_periods_long_past(backend: 
             assert [d for d in drift if d.tally == "trajectory_tally"] == []
 
 
+@pytest.mark.parametrize("backend", [POSTGRES], indirect=True)
+async def test_a_recount_folds_the_periods_long_past(backend: Backend) -> None:
+    """A repair's recount (`exgrpo db tallies --repair`) and a bulk load's count put the periods that
+    ended `repo.TALLY_FOLD_AFTER` ago straight into period 0: a pool of long history would
+    otherwise get a tally row per ten seconds of it, read by every stats request until a fold."""
+    now = datetime.now(UTC)
+    async with serve_app(backend.settings(), ADMIN_TOKEN) as (app, client):
+        await setup_pool(client, questions=4)
+        db: Database = app.state.ctx.db
+        pool, runs, qids = await _ids(db)
+        run = runs["r1"]
+        # one trajectory a minute over the two hours before now
+        await _store(db, [_row(pool, qids[k % 4], run, k, now - timedelta(minutes=k)) for k in range(120)])
+        for recount in ("repair", "bulk load"):
+            async with db.transaction() as session:
+                await session.execute(text("DELETE FROM trajectory_tally"))
+                if recount == "repair":
+                    await repo.recount_tallies(session)
+                else:
+                    await session.execute(text(repo.tally_trajectories("postgresql")))
+            async with db.sessions() as session:
+                got = await session.execute(
+                    text("SELECT period, sum(n) FROM trajectory_tally WHERE run_id = :r GROUP BY period"),
+                    {"r": run},
+                )
+                cells = {int(p): int(n) for p, n in got}
+            young = repo.TALLY_FOLD_AFTER // 60  # minutes younger than the cut: their own periods
+            assert sum(cells.values()) == 120 and len(cells) in (young + 1, young + 2), (recount, cells)
+            assert cells[0] >= 120 - young - 1, (recount, cells)
+            with_stats = await run_stats(client)
+            assert with_stats["trajectories"] == 120 and with_stats["ingest_per_minute"] == 5 / 5.0, recount
+
+
 def _trajectory_rows_read(plan: Any) -> int:
     """Rows that the nodes of an `EXPLAIN (ANALYZE, FORMAT JSON)` plan read from `trajectory`."""
     if isinstance(plan, list):

@@ -749,19 +749,24 @@ _TALLIES: dict[Table, tuple[str, dict[str, str], dict[str, str]]] = {
 }
 
 
-def _counted(table: Table, dialect: str, source: str | None = None) -> str:
+def _counted(table: Table, dialect: str, source: str | None = None, *, fold_before: int | None = None) -> str:
     """The rows a tally counts, a row per cell, in the tally's columns; from `source` (a CTE of
-    rows shaped like the counted table's) instead of the whole counted table."""
+    rows shaped like the counted table's) instead of the whole counted table; with `fold_before`,
+    the trajectory tally's periods before it counted in period 0, as a fold leaves them."""
     counted, keys, values = _TALLIES[table]
-    exprs = ", ".join([*keys.values(), *values.values()]).replace("{period}", _period_sql(dialect))
+    period = _period_sql(dialect)
+    if fold_before is not None:
+        period = f"CASE WHEN {period} < {int(fold_before)} THEN 0 ELSE {period} END"
+    exprs = ", ".join([*keys.values(), *values.values()]).replace("{period}", period)
     groups = ", ".join(str(i + 1) for i in range(len(keys)))
     return f"SELECT {exprs} FROM {source or counted} GROUP BY {groups}"
 
 
-def _recount(table: Table, dialect: str, source: str | None = None) -> str:
+def _recount(table: Table, dialect: str, source: str | None = None, *, fold_before: int | None = None) -> str:
     """The tally rows of what `_counted` counts."""
     _, keys, values = _TALLIES[table]
-    return f"INSERT INTO {table.name} ({', '.join([*keys, *values])}) {_counted(table, dialect, source)}"
+    counted = _counted(table, dialect, source, fold_before=fold_before)
+    return f"INSERT INTO {table.name} ({', '.join([*keys, *values])}) {counted}"
 
 
 def _unnest(types: Iterable[str]) -> str:
@@ -772,8 +777,10 @@ def _unnest(types: Iterable[str]) -> str:
 def tally_trajectories(dialect: str) -> str:
     """The trajectory tally's rows of every stored trajectory, for a database whose trajectories
     were loaded without `insert_trajectories` (which counts its own: there is no INSERT trigger on
-    `trajectory`, migrations 0010 and 0013) into an empty trajectory tally."""
-    return _recount(trajectory_tally, dialect)
+    `trajectory`, migrations 0010 and 0013) into an empty trajectory tally; the periods long past
+    counted as folded (a tally row per ten seconds of a long history would be read by every stats
+    request until the next fold)."""
+    return _recount(trajectory_tally, dialect, fold_before=_fold_cut(None))
 
 
 async def fold_tallies(session: AsyncSession, *, now: datetime | None = None) -> int:
@@ -877,7 +884,7 @@ async def recount_tallies(session: AsyncSession) -> list[TallyDrift]:
     for table in _TALLIES:
         if any(d.tally == table.name for d in drift):
             await session.execute(table.delete())
-            await session.execute(text(_recount(table, dialect)))
+            await session.execute(text(_recount(table, dialect, fold_before=_fold_cut(None))))
     return drift
 
 
