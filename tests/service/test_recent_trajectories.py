@@ -73,6 +73,15 @@ async def _counted(db: Database, run: int, since: datetime) -> tuple[int, int]:
     return len(made), sum(1 for (at,) in made if at >= since)
 
 
+async def _period_cells(db: Database, run: int) -> dict[int, int]:
+    """The run's trajectory tally by period (those that sum to something)."""
+    async with db.sessions() as session:
+        got = await session.execute(
+            text("SELECT period, sum(n) FROM trajectory_tally WHERE run_id = :r GROUP BY period"), {"r": run}
+        )
+        return {int(p): int(n) for p, n in got if n}
+
+
 @contextmanager
 def _now(monkeypatch: pytest.MonkeyPatch, at: datetime) -> Iterator[None]:
     with monkeypatch.context() as m:
@@ -139,20 +148,11 @@ async def test_a_fold_leaves_one_row_per_run_for_the_periods_long_past(backend: 
         run = runs["r1"]
         # one trajectory a minute over the two hours before now
         await _store(db, [_row(pool, qids[k % 4], run, k, now - timedelta(minutes=k)) for k in range(120)])
-
-        async def cells() -> dict[int, int]:
-            async with db.sessions() as session:
-                got = await session.execute(
-                    text("SELECT period, sum(n) FROM trajectory_tally WHERE run_id = :r GROUP BY period"),
-                    {"r": run},
-                )
-                return {int(p): int(n) for p, n in got if n}
-
-        before = await cells()
+        before = await _period_cells(db, run)
         assert len(before) == 120 and sum(before.values()) == 120
         async with db.transaction() as session:
             await repo.fold_tallies(session, now=now)
-        after = await cells()
+        after = await _period_cells(db, run)
         kept = repo.TALLY_FOLD_AFTER // 60  # a row a minute younger than the fold's cut
         assert after[0] == 120 - len(after) + 1 and len(after) in (kept + 1, kept + 2), after
         assert {p: n for p, n in after.items() if p} == {p: n for p, n in before.items() if p in after}
@@ -181,12 +181,7 @@ async def test_a_recount_folds_the_periods_long_past(backend: Backend) -> None:
                     await repo.recount_tallies(session)
                 else:
                     await session.execute(text(repo.tally_trajectories("postgresql")))
-            async with db.sessions() as session:
-                got = await session.execute(
-                    text("SELECT period, sum(n) FROM trajectory_tally WHERE run_id = :r GROUP BY period"),
-                    {"r": run},
-                )
-                cells = {int(p): int(n) for p, n in got}
+            cells = await _period_cells(db, run)
             young = repo.TALLY_FOLD_AFTER // 60  # minutes younger than the cut: their own periods
             assert sum(cells.values()) == 120 and len(cells) in (young + 1, young + 2), (recount, cells)
             assert cells[0] >= 120 - young - 1, (recount, cells)
