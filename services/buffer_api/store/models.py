@@ -295,8 +295,8 @@ trajectory_tally = Table(
     Base.metadata,
     Column("pool_id", BigInteger, nullable=False),
     Column("run_id", BigInteger, nullable=False),
-    # the ten seconds of `created_at` its trajectories were made in (`repo.tally_period`); 0 for
-    # periods folded as long past (`repo.fold_tallies`, migration 0014)
+    # on Postgres the ten seconds of `created_at` its trajectories were made in (`repo.tally_period`),
+    # 0 for periods folded as long past (`repo.fold_tallies`, migration 0014); always 0 on SQLite
     Column("period", BigInteger, nullable=False, server_default=text("0")),
     Column("n", BigInteger, nullable=False),
     Column("tokens", BigInteger, nullable=False),

@@ -710,7 +710,7 @@ _PERIOD = timedelta(seconds=TALLY_PERIOD_S)
 
 
 def tally_period(at: datetime) -> int:
-    """The trajectory tally's period of a creation time (naive: UTC, as SQLite stores it)."""
+    """The trajectory tally's period of a creation time (a naive time taken as UTC)."""
     return ((at if at.tzinfo is not None else at.replace(tzinfo=UTC)) - _EPOCH) // _PERIOD
 
 
