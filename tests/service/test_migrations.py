@@ -1,12 +1,14 @@
-"""Migrations: the schema they build is the models' schema, and the scope migration moves existing
-data where the sharing modes now keep it (SQLite and Postgres)."""
+"""Migrations: the schema they build is the models' schema, the scope migration moves existing
+data where the sharing modes now keep it, and the data migrations keep what they move (SQLite and
+Postgres)."""
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,6 +20,7 @@ from sqlalchemy import Connection, inspect, text
 
 from exgrpo_client import schemas as s
 from exgrpo_pool.store import db as dbmod
+from exgrpo_pool.store import repo
 from exgrpo_pool.store.models import Base
 
 from .conftest import PG_HOST, PG_PORT, PG_USER, _in_thread, _pg_admin
@@ -275,3 +278,57 @@ def test_every_foreign_key_leads_an_index(empty_url: str) -> None:
     per question (run_question's key starts with the scope), for more than 15 minutes."""
     dbmod.upgrade(empty_url)
     assert set(_unindexed_foreign_keys(empty_url)) == UNINDEXED
+
+
+def test_trajectory_period_migration_keeps_the_counts_both_ways(empty_url: str) -> None:
+    """Migration 0014 recounts the trajectory tally on Postgres with periods (a recent trajectory in
+    its ten seconds, one two hours old folded into period 0), leaves SQLite's rows in period 0, and
+    comes back to one row per cell; the counts stand every way."""
+    dbmod.upgrade(empty_url, "0013")
+    now = datetime.now(UTC)
+    recent = [now - timedelta(seconds=7 * k) for k in range(6)]
+    made = [(at, 1) for at in recent] + [(now - timedelta(hours=2), 1)] * 4 + [(now, None)] * 2
+    rows: list[tuple[str, dict[str, Any]]] = [
+        (
+            "INSERT INTO pool (id, name, description, config, created_at, updated_at) "
+            "VALUES (1, 'p', '', '{}', :now, :now)",
+            {"now": now},
+        ),
+        (
+            "INSERT INTO question (id, pool_id, content_hash, prompt, ground_truth, data_source, metadata, "
+            "created_at) VALUES (1, 1, :h, '[]', '1', '', '{}', :now)",
+            {"h": b"q" * 16, "now": now},
+        ),
+        (
+            "INSERT INTO run (id, pool_id, name, seed, phase, step, policy_version, epoch, cursor, "
+            "overrides, created_at, updated_at) "
+            "VALUES (1, 1, 'r', 0, 'mixed', 0, 0, -1, 0, '{}', :now, :now)",
+            {"now": now},
+        ),
+        # the tally as the service's inserts left it at 0013: one row per (pool, source run)
+        ("INSERT INTO trajectory_tally (pool_id, run_id, n, tokens) VALUES (1, 1, 10, 30), (1, 0, 2, 6)", {}),
+    ]
+    for i, (at, source) in enumerate(made):
+        rows.append(
+            (
+                "INSERT INTO trajectory (question_id, pool_id, scope, source_run_id, policy_version, step, "
+                "token_ids, logprobs, num_tokens, reward, dedup_key, created_at) "
+                "VALUES (1, 1, -1, :src, 0, 0, :ids, :lps, 3, 1.0, :key, :at)",
+                {"src": source, "ids": bytes(12), "lps": bytes(12), "key": bytes([i]) * 32, "at": at},
+            )
+        )
+    _sql(empty_url, rows)
+    postgres = empty_url.startswith("postgresql")
+    by_period = "SELECT run_id, period, sum(n), sum(tokens) FROM trajectory_tally GROUP BY 1, 2 ORDER BY 1, 2"
+    periods = sorted(Counter(repo.tally_period(at) for at in recent).items())
+    with_periods = [(0, repo.tally_period(now), 2, 6), (1, 0, 4, 12), *((1, p, n, 3 * n) for p, n in periods)]
+    for _ in range(2):
+        dbmod.upgrade(empty_url)
+        (cells,) = _sql(empty_url, [(by_period, {})])
+        assert cells == (with_periods if postgres else [(0, 0, 2, 6), (1, 0, 10, 30)])
+        assert _schema_diff(empty_url) == []
+        command.downgrade(dbmod.alembic_config(empty_url), "0013")
+        (cells,) = _sql(
+            empty_url, [("SELECT run_id, count(*), sum(n), sum(tokens) FROM trajectory_tally GROUP BY 1", {})]
+        )
+        assert sorted(cells) == [(0, 1, 2, 6), (1, 1, 10, 30)]
