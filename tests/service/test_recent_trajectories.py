@@ -73,6 +73,16 @@ async def _counted(db: Database, run: int, since: datetime) -> tuple[int, int]:
     return len(made), sum(1 for (at,) in made if at >= since)
 
 
+async def _two_hours_of_r1(client: Any, db: Database, now: datetime) -> int:
+    """A pool of 4 questions whose run r1 stored one trajectory a minute over the two hours
+    before `now`; r1's id."""
+    await setup_pool(client, questions=4)
+    pool, runs, qids = await _ids(db)
+    run = runs["r1"]
+    await _store(db, [_row(pool, qids[k % 4], run, k, now - timedelta(minutes=k)) for k in range(120)])
+    return run
+
+
 async def _period_cells(db: Database, run: int) -> dict[int, int]:
     """The run's trajectory tally by period (those that sum to something)."""
     async with db.sessions() as session:
@@ -142,12 +152,8 @@ async def test_a_fold_leaves_one_row_per_run_for_the_periods_long_past(backend: 
     (period 0): the tally of a run that ingests for days stays a few dozen rows; the counts stand."""
     now = ALIGNED
     async with serve_app(backend.settings(), ADMIN_TOKEN) as (app, client):
-        await setup_pool(client, questions=4)
         db: Database = app.state.ctx.db
-        pool, runs, qids = await _ids(db)
-        run = runs["r1"]
-        # one trajectory a minute over the two hours before now
-        await _store(db, [_row(pool, qids[k % 4], run, k, now - timedelta(minutes=k)) for k in range(120)])
+        run = await _two_hours_of_r1(client, db, now)
         before = await _period_cells(db, run)
         assert len(before) == 120 and sum(before.values()) == 120
         async with db.transaction() as session:
@@ -168,12 +174,8 @@ async def test_a_recount_folds_the_periods_long_past(backend: Backend) -> None:
     otherwise get a tally row per ten seconds of it, read by every stats request until a fold."""
     now = datetime.now(UTC)
     async with serve_app(backend.settings(), ADMIN_TOKEN) as (app, client):
-        await setup_pool(client, questions=4)
         db: Database = app.state.ctx.db
-        pool, runs, qids = await _ids(db)
-        run = runs["r1"]
-        # one trajectory a minute over the two hours before now
-        await _store(db, [_row(pool, qids[k % 4], run, k, now - timedelta(minutes=k)) for k in range(120)])
+        run = await _two_hours_of_r1(client, db, now)
         for recount in ("repair", "bulk load"):
             async with db.transaction() as session:
                 await session.execute(text("DELETE FROM trajectory_tally"))

@@ -1561,14 +1561,15 @@ async def run_trajectory_counts(
     conn = await _connection(session)
     inline = inline_sqlite(conn)
     q = _Sql(conn)
-    (bound_since,) = _bound(conn, _traj_t, ("created_at",))((since,))
     totals = (
         f"SELECT 0, run_id, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
         f"AND run_id {q.ids(ids)} GROUP BY run_id"
     )
     stored: dict[int, int] = {}
     lately: dict[int, int] = {}
-    if conn.dialect.name == "postgresql":  # counted on its server, off the loop anyway
+    # SQLite compares `since` as its column's text (Postgres reads the tally's periods instead)
+    bound_since = None if q.pg else _bound(conn, _traj_t, ("created_at",))((since,))[0]
+    if q.pg:  # counted on its server, off the loop anyway
         first, lo, hi, sign = _boundary(since)
         recent = (
             f"SELECT 1, run_id, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
