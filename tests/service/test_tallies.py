@@ -28,7 +28,7 @@ from .factories import (
     run_stats,
     setup_pool,
 )
-from .harness import Backend, db_rows, serve
+from .harness import Backend, db_execute, db_rows, serve
 
 #: per tally: (the key columns of its cells, its cells summed, the same cells counted from the
 #: rows)
@@ -48,6 +48,13 @@ TALLIES = {
         "SELECT pool_id, sum(n) FROM question_tally GROUP BY 1",
         "SELECT pool_id, count(*) FROM question GROUP BY 1",
     ),
+}
+
+#: per tally: the key columns of its cells as a fold leaves them, a row each (the trajectory
+#: tally's cells are per period on Postgres, migration 0014: a run's trajectories written across
+#: the end of a period are two cells)
+CELLS = {
+    name: keys + (("period",) if name == "trajectory_tally" else ()) for name, (keys, _, _) in TALLIES.items()
 }
 
 
@@ -142,9 +149,10 @@ async def test_folding_keeps_every_count_and_leaves_a_row_per_cell(
 ) -> None:
     await _write_everything(client)
     url = backend.database_url
+    await _straddle_a_period(url)
     assert await _fold(url) > 0
     await _assert_tallies_hold(url)
-    for name, (keys, _, _) in TALLIES.items():
+    for name, keys in CELLS.items():
         most = await db_rows(
             url, f"SELECT max(c) FROM (SELECT count(*) AS c FROM {name} GROUP BY {', '.join(keys)}) x"
         )
@@ -152,6 +160,24 @@ async def test_folding_keeps_every_count_and_leaves_a_row_per_cell(
         zero = await db_rows(url, f"SELECT count(*) FROM {name} WHERE n = 0")
         assert zero[0][0] == 0, name
     assert await _fold(url) == 0  # nothing left to fold
+
+
+async def _straddle_a_period(url: str) -> None:
+    """Make a run's trajectories of one pool fall in two recent periods, as writes that go on
+    past the end of a ten-second period do: one trajectory of the run's latest period moved into
+    the period before it (its tally rows as the writes of both periods leave them)."""
+    (pool, run, period, tokens) = (
+        await db_rows(
+            url,
+            "SELECT pool_id, run_id, period, sum(tokens) / sum(n) FROM trajectory_tally "
+            "GROUP BY 1, 2, 3 HAVING sum(n) > 1 ORDER BY 1, 2 LIMIT 1",
+        )
+    )[0]
+    moved = [(period - 1, 1, tokens), (period, -1, -tokens)]
+    values = ", ".join(f"({pool}, {run}, {p}, {n}, {t})" for p, n, t in moved)
+    await db_execute(
+        url, f"INSERT INTO trajectory_tally (pool_id, run_id, period, n, tokens) VALUES {values}"
+    )
 
 
 async def _fold(url: str) -> int:
@@ -202,7 +228,7 @@ async def test_writers_of_one_scope_do_not_wait_for_each_others_counts(
 async def _rows_over_cells(url: str) -> int:
     """How many more tally rows there are than cells (0 once every cell is folded)."""
     extra = 0
-    for name, (keys, _, _) in TALLIES.items():
+    for name, keys in CELLS.items():
         cells = f"SELECT count(*) FROM (SELECT 1 FROM {name} GROUP BY {', '.join(keys)}) c"
         rows = await db_rows(url, f"SELECT count(*), ({cells}) FROM {name}")
         extra += int(rows[0][0]) - int(rows[0][1])
