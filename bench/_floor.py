@@ -71,8 +71,9 @@ from exgrpo_pool.store.db import SQLITE_CACHE_MB
 _PHASES = get_args(s.Phase)
 _OVERRIDES = orjson.dumps(s.RunOverrides().model_dump()).decode()
 _TRAJ_COLS = "id, question_id, source_run_id, policy_version, step, reward, entropy, num_tokens, created_at"
-#: the trajectory tally's periods on Postgres (migration 0014): ten seconds of `created_at` from
-#: the epoch (the service folds those long past in the background, which the floor leaves)
+#: the trajectory tally's periods (migrations 0014 and 0015): ten seconds of `created_at` from
+#: the epoch, stored with each trajectory; those long past folded into period 0 as the service
+#: folds them (on Postgres after every `_FOLD_EVERY` writes, on SQLite as a run opens a period)
 _PERIOD_S = 10
 _PERIOD = timedelta(seconds=_PERIOD_S)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -574,31 +575,33 @@ class Floor:
         since = datetime.now(UTC) - timedelta(minutes=5)
         totals: dict[int, int] = {}
         recent: dict[int, int] = {}
+        # the tally's whole periods of the five minutes (migrations 0014 and 0015), and the shorter
+        # side of the period they begin in counted row by row (added after `since`, else subtracted)
+        first = (since - _EPOCH) // _PERIOD
+        start = _EPOCH + first * _PERIOD
+        if since - start <= start + _PERIOD - since:
+            lo, hi, sign = start, since, -1
+        else:
+            first, lo, hi, sign = first + 1, since, start + _PERIOD, 1
         if self.db.pg:
-            # the tally's whole periods of the five minutes (migration 0014), and the shorter side
-            # of the period they begin in counted row by row (added after `since`, else subtracted)
-            first = (since - _EPOCH) // _PERIOD
-            start = _EPOCH + first * _PERIOD
-            if since - start <= start + _PERIOD - since:
-                lo, hi, sign = start, since, -1
-            else:
-                first, lo, hi, sign = first + 1, since, start + _PERIOD, 1
-            recent_sql = (
-                "SELECT 1, run_id, sum(n) FROM trajectory_tally WHERE pool_id = ? "
-                f"AND run_id IN ({marks}) AND period >= ? GROUP BY run_id UNION ALL "
+            part = (
                 f"SELECT 2, source_run_id, count(*) FROM trajectory WHERE source_run_id IN ({marks}) "
                 "AND created_at >= ? AND created_at < ? GROUP BY source_run_id"
             )
-            recent_args: list[Any] = [self.pool_id, *ids, first, *ids, lo, hi]
+            part_args: list[Any] = [*ids, lo, hi]
         else:  # a count per run over its part of the index: 2.3x faster than IN (...) GROUP BY
-            sign = 1
-            one = "SELECT 1, ?, (SELECT count(*) FROM trajectory WHERE source_run_id = ? AND created_at >= ?)"
-            recent_sql = " UNION ALL ".join([one] * len(ids))
-            recent_args = [v for i in ids for v in (i, i, _now(self.db, since))]
+            one = (
+                "SELECT 2, ?, (SELECT count(*) FROM trajectory WHERE source_run_id = ? "
+                "AND created_at >= ? AND created_at < ?)"
+            )
+            part = " UNION ALL ".join([one] * len(ids))
+            part_args = [v for i in ids for v in (i, i, _now(self.db, lo), _now(self.db, hi))]
         for kind, run_id, n in await self.db.fetch(
             f"SELECT 0, run_id, sum(n) FROM trajectory_tally WHERE pool_id = ? AND run_id IN ({marks}) "
-            f"GROUP BY run_id UNION ALL {recent_sql}",
-            self.pool_id, *ids, *recent_args,
+            "GROUP BY run_id UNION ALL "
+            "SELECT 1, run_id, sum(n) FROM trajectory_tally WHERE pool_id = ? "
+            f"AND run_id IN ({marks}) AND period >= ? GROUP BY run_id UNION ALL {part}",
+            self.pool_id, *ids, self.pool_id, *ids, first, *part_args,
         ):  # fmt: skip
             if kind == 0:
                 totals[int(run_id)] = int(n)
@@ -746,7 +749,8 @@ class Floor:
         version: int,
     ) -> dict[str, Any]:
         """Retire, bucket and store graded groups in the open transaction (commit and ingest)."""
-        now = _now(self.db)
+        at = datetime.now(UTC)
+        now, period = _now(self.db, at), (at - _EPOCH) // _PERIOD
         finals: dict[int, tuple[int, str, int | None]] = {}
         traj_rows: list[tuple[Any, ...]] = []
         retired = collected = ignored = 0
@@ -778,7 +782,7 @@ class Floor:
                     ids, lps = p
                     traj_rows.append(
                         (qid, self.pool_id, run_id, run_id, version, step, ids, lps, len(ids) // 4,
-                         float(r["reward"]), r.get("entropy"), trajectory_key(ids), now)
+                         float(r["reward"]), r.get("entropy"), trajectory_key(ids), now, period)
                     )  # fmt: skip
             else:
                 ignored += 1
@@ -881,22 +885,21 @@ class Floor:
             return 0
         cols = (
             "question_id, pool_id, scope, source_run_id, policy_version, step, token_ids, logprobs, "
-            "num_tokens, reward, entropy, dedup_key, created_at"
+            "num_tokens, reward, entropy, dedup_key, created_at, period"
         )
         if self.db.pg:
             # one statement over arrays: one round trip, the ids of the rows actually inserted
             types = ["bigint", "bigint", "bigint", "bigint", "int", "int", "bytea", "bytea", "int",
-                     "float8", "float8", "bytea", "timestamptz"]  # fmt: skip
+                     "float8", "float8", "bytea", "timestamptz", "bigint"]  # fmt: skip
             unnest = ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(types))
             # and the trajectory tally's rows of what was stored, as the service adds them there
             # (Postgres has no INSERT trigger on trajectory; its DELETE trigger counts removals)
             got = await self.db.conn.fetchval(  # type: ignore[attr-defined]
                 f"WITH stored AS (INSERT INTO trajectory ({cols}) SELECT * FROM unnest({unnest}) "
                 "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING "
-                "RETURNING pool_id, source_run_id, num_tokens, created_at), "
+                "RETURNING pool_id, source_run_id, num_tokens, period), "
                 "tallied AS (INSERT INTO trajectory_tally (pool_id, run_id, period, n, tokens) "
-                "SELECT pool_id, coalesce(source_run_id, 0), "
-                f"floor(extract(epoch FROM created_at) / {_PERIOD_S})::bigint, count(*), sum(num_tokens) "
+                "SELECT pool_id, coalesce(source_run_id, 0), period, count(*), sum(num_tokens) "
                 "FROM stored GROUP BY 1, 2, 3) SELECT count(*) FROM stored",
                 *[list(c) for c in zip(*rows, strict=True)],
             )
@@ -905,33 +908,53 @@ class Floor:
         last = conn.execute("SELECT max(id) FROM trajectory").fetchone()[0] or 0
         # the rows the statement inserted (a conflict inserts none)
         cur = conn.executemany(
-            f"INSERT INTO trajectory ({cols}) VALUES ({_in(13)}) "
+            f"INSERT INTO trajectory ({cols}) VALUES ({_in(14)}) "
             "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING",
             rows,
         )
         stored = int(cur.rowcount)
         # the trajectory tally, as the service keeps it on SQLite (no row trigger since migration
-        # 0013): one update per cell, counted from the rows sent when all were new
+        # 0013): one update per cell, counted from the rows sent when all were new (one time)
         if stored == len(rows):
-            cells = [(rows[0][1], rows[0][3] or 0, stored, sum(r[8] for r in rows))]
+            cells = [(rows[0][1], rows[0][3] or 0, rows[0][13], stored, sum(r[8] for r in rows))]
         else:
             cells = conn.execute(
-                "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM trajectory "
-                "WHERE id > ? GROUP BY 1, 2",
+                "SELECT pool_id, coalesce(source_run_id, 0), period, count(*), sum(num_tokens) "
+                "FROM trajectory WHERE id > ? GROUP BY 1, 2, 3",
                 (last,),
             ).fetchall()
-        for pool, run, n, tokens in cells:
-            bumped = conn.execute(
-                "UPDATE OR IGNORE trajectory_tally SET n = n + ?, tokens = tokens + ? "
-                "WHERE pool_id = ? AND run_id = ?",
-                (n, tokens, pool, run),
-            ).rowcount
-            if not bumped:  # a run's first stored trajectories: its cell's row
+        cut = (datetime.now(UTC) - timedelta(seconds=_FOLD_AFTER_S) - _EPOCH) // _PERIOD
+        for pool, run, period, n, tokens in cells:
+            if _bump_sqlite(conn, (pool, run, period), n, tokens):
+                # a run's new period: its periods long past folded into period 0, and its cells
+                # that sum to nothing removed
+                for n0, tokens0 in conn.execute(
+                    "SELECT sum(n), sum(tokens) FROM trajectory_tally WHERE pool_id = ? AND run_id = ? "
+                    "AND period > 0 AND period < ? HAVING count(*) > 0",
+                    (pool, run, cut),
+                ).fetchall():
+                    _bump_sqlite(conn, (pool, run, 0), n0, tokens0)
                 conn.execute(
-                    "INSERT INTO trajectory_tally (pool_id, run_id, n, tokens) VALUES (?, ?, ?, ?)",
-                    (pool, run, n, tokens),
+                    "DELETE FROM trajectory_tally WHERE (period > 0 AND period < ? AND pool_id = ? "
+                    "AND run_id = ?) OR (n = 0 AND tokens = 0 AND pool_id = ? AND run_id = ?)",
+                    (cut, pool, run, pool, run),
                 )
         return stored
+
+
+def _bump_sqlite(conn: Any, cell: tuple[Any, ...], n: int, tokens: int) -> bool:
+    """SQLite: add to a trajectory tally cell (pool, run, period); whether it was a new one."""
+    if conn.execute(
+        "UPDATE OR IGNORE trajectory_tally SET n = n + ?, tokens = tokens + ? "
+        "WHERE pool_id = ? AND run_id = ? AND period = ?",
+        (n, tokens, *cell),
+    ).rowcount:
+        return False
+    conn.execute(
+        "INSERT INTO trajectory_tally (pool_id, run_id, period, n, tokens) VALUES (?, ?, ?, ?, ?)",
+        (*cell, n, tokens),
+    )
+    return True
 
 
 def _result(batch_id: str | None, run: str, step: int, phase: str, a: dict[str, Any]) -> dict[str, Any]:

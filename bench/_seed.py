@@ -322,7 +322,7 @@ def seed_sqlite(shape: Shape, path: Path, log: Any = print) -> float:
             secs = time.perf_counter() - t0
             log(f"  sqlite {shape.questions}: {done}/{lay.traj_qids.size} trajectories ({secs:.0f}s)")
     with engine.begin() as conn:
-        conn.exec_driver_sql(repo.tally_trajectories("sqlite"))  # not counted by a trigger (migration 0013)
+        conn.exec_driver_sql(repo.tally_trajectories())  # not counted by a trigger (migration 0013)
         conn.exec_driver_sql("UPDATE pool SET description = ?", (tag,))
     with engine.connect() as conn:
         conn.exec_driver_sql("PRAGMA journal_mode=DELETE")
@@ -466,7 +466,7 @@ async def seed_postgres(shape: Shape, dsn: str, database: str, log: Any = print)
                     f"  postgres {shape.questions}: {done}/{lay.traj_qids.size} trajectories "
                     f"({time.perf_counter() - t0:.0f}s)"
                 )
-        await conn.execute(repo.tally_trajectories("postgresql"))  # a COPY is not counted by a trigger
+        await conn.execute(repo.tally_trajectories())  # a COPY is not counted by a trigger
         for table in ("pool", "question", "run", "trajectory"):
             await conn.execute(
                 f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT max(id) FROM {table}))"

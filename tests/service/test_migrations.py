@@ -282,8 +282,9 @@ def test_every_foreign_key_leads_an_index(empty_url: str) -> None:
 
 def test_trajectory_period_migration_keeps_the_counts_both_ways(empty_url: str) -> None:
     """Migration 0014 recounts the trajectory tally on Postgres with periods (a recent trajectory in
-    its ten seconds, one two hours old folded into period 0), leaves SQLite's rows in period 0, and
-    comes back to one row per cell; the counts stand every way."""
+    its ten seconds, one two hours old folded into period 0) and leaves SQLite's rows in period 0;
+    0015 stores the recent trajectories' periods with them and recounts SQLite's tally with
+    periods too; both come back to what was before; the counts stand every way."""
     dbmod.upgrade(empty_url, "0013")
     now = datetime.now(UTC)
     recent = [now - timedelta(seconds=7 * k) for k in range(6)]
@@ -325,8 +326,11 @@ def test_trajectory_period_migration_keeps_the_counts_both_ways(empty_url: str) 
     for _ in range(2):
         dbmod.upgrade(empty_url)
         (cells,) = _sql(empty_url, [(by_period, {})])
-        assert cells == (with_periods if postgres else [(0, 0, 2, 6), (1, 0, 10, 30)])
+        assert cells == with_periods
         assert _schema_diff(empty_url) == []
+        command.downgrade(dbmod.alembic_config(empty_url), "0014")
+        (cells,) = _sql(empty_url, [(by_period, {})])
+        assert cells == (with_periods if postgres else [(0, 0, 2, 6), (1, 0, 10, 30)])
         command.downgrade(dbmod.alembic_config(empty_url), "0013")
         (cells,) = _sql(
             empty_url, [("SELECT run_id, count(*), sum(n), sum(tokens) FROM trajectory_tally GROUP BY 1", {})]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from exgrpo_pool.service import stats as stats_mod
 from exgrpo_pool.store import repo, sqlite_inline
 from exgrpo_pool.store.models import utcnow
 
@@ -32,6 +33,37 @@ from .factories import (
 from .harness import Backend, serve
 
 HALF = correct_first(lambda q: 2)
+
+#: a period's start (`repo.TALLY_PERIOD_S` from the epoch): the trajectories moved to 7 s past it
+#: and the stats read 6 s past it five minutes later are counted row by row, from `since` (6 s
+#: in) to the period's end, the rest of the five minutes from the tally's whole periods
+ALIGNED = datetime(2030, 1, 1, tzinfo=UTC)
+MADE_AT = ALIGNED + timedelta(seconds=7)
+READ_AT = ALIGNED + timedelta(minutes=5, seconds=6)
+
+
+def _stamp(backend: Backend, at: datetime) -> Any:
+    """A time as the backend's `created_at` column binds it."""
+    return at.strftime("%Y-%m-%d %H:%M:%S.%f") if backend.name.startswith("sqlite") else at
+
+
+async def _made_at(backend: Backend, at: datetime, where: str = "") -> None:
+    """The trajectories (`where`: those of a condition) made at `at` instead, with its period."""
+    engine = create_async_engine(backend.database_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(f"UPDATE trajectory SET created_at = :at, period = :period {where}"),
+                {"at": _stamp(backend, at), "period": repo.tally_period(at)},
+            )
+    finally:
+        await engine.dispose()
+
+
+def _counted_row_by_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stats read at `READ_AT`, with every trajectory moved to `MADE_AT`: all of them are
+    counted over the (run, created) index, none from the tally's periods."""
+    monkeypatch.setattr(stats_mod, "utcnow", lambda: READ_AT)
 
 
 async def _two_runs_trained(client: httpx.AsyncClient) -> None:
@@ -87,21 +119,15 @@ async def test_trajectories_and_those_of_the_last_five_minutes(backend: Backend)
                     ).all()
                 )
                 assert stored["r1"] > 0 and stored["r2"] > 0
-                # r1's oldest ten, an hour old: still counted, no longer recent
-                old = utcnow() - timedelta(hours=1)
-                await conn.execute(
-                    text(
-                        "UPDATE trajectory SET created_at = :old WHERE id IN (SELECT t.id FROM trajectory t "
-                        "JOIN run r ON r.id = t.source_run_id WHERE r.name = 'r1' ORDER BY t.id LIMIT 10)"
-                    ),
-                    {
-                        "old": old.strftime("%Y-%m-%d %H:%M:%S.%f")
-                        if backend.name.startswith("sqlite")
-                        else old
-                    },
-                )
         finally:
             await engine.dispose()
+        # r1's oldest ten, an hour old: still counted, no longer recent
+        await _made_at(
+            backend,
+            utcnow() - timedelta(hours=1),
+            "WHERE id IN (SELECT t.id FROM trajectory t JOIN run r ON r.id = t.source_run_id "
+            "WHERE r.name = 'r1' ORDER BY t.id LIMIT 10)",
+        )
         one = {run: await run_stats(client, run=run) for run in ("r1", "r2")}
         every = {r["run"]: r for r in (await pool_stats(client))["runs"]}
         for run, n in stored.items():
@@ -114,10 +140,10 @@ async def test_trajectories_and_those_of_the_last_five_minutes(backend: Backend)
 async def test_a_run_past_the_loops_share_is_counted_off_the_loop_exactly(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SQLite's inline driver counts a run's recent trajectories on the event loop only within the
-    steps of about `repo.RECENT_ON_LOOP` entries; a statement past them is stopped there and run
-    again, whole, in a worker thread, to the same numbers (Postgres counts on its server, off the
-    loop anyway)."""
+    """SQLite's inline driver counts a run's recent trajectories row by row (those of the period
+    the five minutes begin in) on the event loop only within the steps of about
+    `repo.RECENT_ON_LOOP` entries; a statement past them is stopped there and run again, whole,
+    in a worker thread, to the same numbers (Postgres counts on its server, off the loop anyway)."""
     off_loop: list[str] = []
     counted = sqlite_inline.fetch_all_off_loop
 
@@ -138,6 +164,8 @@ async def test_a_run_past_the_loops_share_is_counted_off_the_loop_exactly(
     monkeypatch.setattr(sqlite_inline, "fetch_all_within", spied_within)
     async with serve(backend.settings()) as client:
         await _two_runs_trained(client)
+        await _made_at(backend, MADE_AT)
+        _counted_row_by_row(monkeypatch)
         before = {run: await run_stats(client, run=run) for run in ("r1", "r2")}
         assert not off_loop and not stopped and all(s["trajectories"] > 3 for s in before.values())
         monkeypatch.setattr(repo, "RECENT_ON_LOOP", 3)
@@ -152,7 +180,8 @@ async def test_a_run_past_the_loops_share_is_counted_off_the_loop_exactly(
     for run in ("r1", "r2"):
         assert after[run] == before[run] and every[run] == before[run]
         assert before[run]["ingest_per_minute"] == before[run]["trajectories"] / 5.0
-    assert committed["stats"]["ingest_per_minute"] == committed["stats"]["trajectories"] / 5.0
+    # the commit's own trajectories are made now, long before `READ_AT`'s five minutes
+    assert committed["stats"]["ingest_per_minute"] == before["r2"]["ingest_per_minute"]
     assert committed["stats"]["trajectories"] > before["r2"]["trajectories"]
     assert later == committed["stats"] and later["step"] == before["r2"]["step"] + 1
     # two run stats, the pool's (both runs in one statement) and the commit's: each stopped on the
@@ -169,20 +198,22 @@ async def test_sqlite_counts_in_the_steps_the_loops_budget_assumes(
     """The budget of a stats statement on the loop is counted in SQLite's virtual machine steps
     (`repo.STEPS_PER_ENTRY` a recent trajectory, `repo.STEPS_PER_RUN` a run beside): measured here
     with a progress handler on the statements of a run's stats and of the pool's (two runs)."""
-    measured: list[tuple[int, int]] = []  # (steps, recent trajectories counted)
+    measured: list[tuple[int, int]] = []  # (steps, recent trajectories counted row by row)
     counted = _steps_counted(
-        "created_at >=", lambda steps, rows: measured.append((steps, sum(n for new, _, n in rows if new)))
+        "created_at >=", lambda steps, rows: measured.append((steps, sum(n for k, _, n in rows if k == 2)))
     )
 
     backend = Backend("sqlite-memory", f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", None, "unused")
     async with serve(backend.settings()) as client:
         await _two_runs_trained(client)
+        await _made_at(backend, MADE_AT)
+        _counted_row_by_row(monkeypatch)
         # the budget's own handler set aside: this one counts every step
         monkeypatch.setattr(sqlite_inline, "fetch_all_within", lambda c, sql, p, _steps: counted(c, sql, p))
         for run in ("r1", "r2"):
             await run_stats(client, run=run)
         await pool_stats(client)
-    (one, n_one), (two, n_two), (pool, n_pool) = measured  # 140 / 24, 114 / 16, 256 / 40
+    (one, n_one), (two, n_two), (pool, n_pool) = measured  # 175 / 24, 148 / 16, 331 / 40
     assert n_one != n_two and n_pool == n_one + n_two
     per_entry = (one - two) / (n_one - n_two)
     assert repo.STEPS_PER_ENTRY - 0.5 <= per_entry <= repo.STEPS_PER_ENTRY + 0.5, measured
@@ -243,6 +274,8 @@ async def test_a_run_known_to_be_past_the_loops_share_is_counted_once(
     backend = Backend("sqlite-memory", f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}", None, "unused")
     async with serve(backend.settings()) as client:
         await _two_runs_trained(client)
+        await _made_at(backend, MADE_AT)
+        _counted_row_by_row(monkeypatch)
         before = await run_stats(client, run="r1")
         assert before["trajectories"] > 3
         monkeypatch.setattr(sqlite_inline, "fetch_all", spied)
@@ -255,19 +288,8 @@ async def test_a_run_known_to_be_past_the_loops_share_is_counted_once(
         assert first == before and all(a == before for a in again)
         # every trajectory of r1 older than five minutes: counted off the loop once more (zero),
         # then on the loop again
-        engine = create_async_engine(backend.database_url)
-        try:
-            async with engine.begin() as conn:
-                old = (utcnow() - timedelta(hours=1)).strftime("%Y-%m-%d %H:%M:%S.%f")
-                await conn.execute(
-                    text(
-                        "UPDATE trajectory SET created_at = :old WHERE source_run_id = "
-                        "(SELECT id FROM run WHERE name = 'r1')"
-                    ),
-                    {"old": old},
-                )
-        finally:
-            await engine.dispose()
+        r1 = "WHERE source_run_id = (SELECT id FROM run WHERE name = 'r1')"
+        await _made_at(backend, MADE_AT - timedelta(hours=1), r1)
         quiet = [await run_stats(client, run="r1") for _ in range(2)]
         assert (len(on_loop), len(off_loop)) == (2, 5)
         assert [q["ingest_per_minute"] for q in quiet] == [0.0, 0.0]

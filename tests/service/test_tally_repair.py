@@ -49,17 +49,14 @@ async def _plant_drift(url: str) -> Said:
         f"SELECT scope, coalesce(bucket, -1), count(*) FROM run_question WHERE scope = {-p2} "
         "AND NOT retired GROUP BY 1, 2 ORDER BY 3 DESC",
     )
-    (run_id, trajectories, tokens), *_ = await db_rows(
-        url,
-        f"SELECT source_run_id, count(*), sum(num_tokens) FROM trajectory WHERE pool_id = {p1} "
-        "GROUP BY 1 ORDER BY 1",
+    (run_id,), *_ = await db_rows(
+        url, f"SELECT source_run_id FROM trajectory WHERE pool_id = {p1} GROUP BY 1 ORDER BY 1"
     )
     questions = (await db_rows(url, f"SELECT count(*) FROM question WHERE pool_id = {p2}"))[0][0]
     await db_execute(
         url,
         # tally rows without their counted rows, added the way the triggers add theirs (the
-        # trajectory tally's in period 0: on Postgres the periods long past, of no trajectory
-        # here; on SQLite, which keeps no periods, every trajectory's)
+        # trajectory tally's in period 0: the periods long past, of no trajectory here)
         f"INSERT INTO state_tally (scope, bucket, retired, n) VALUES ({scope}, {bucket}, false, 3)",
         "INSERT INTO trajectory_tally (pool_id, run_id, period, n, tokens) "
         f"VALUES ({p1}, {run_id}, 0, 0, 100)",
@@ -67,15 +64,11 @@ async def _plant_drift(url: str) -> Said:
         f"DELETE FROM question_tally WHERE pool_id = {p2}",
     )
     n, questions = int(n), int(questions)
-    # the cell's trajectories and tokens: none on Postgres (they lie in their recent periods)
-    had = (0, 0) if url.startswith("postgresql") else (int(trajectories), int(tokens))
     return {
         ("state_tally", (int(scope), int(bucket), 0)): ({"n": n + 3}, {"n": n}),
         ("state_tally", (-999, 2, 0)): ({"n": 5}, {"n": 0}),
-        ("trajectory_tally", (p1, int(run_id), 0)): (
-            {"n": had[0], "tokens": had[1] + 100},
-            {"n": had[0], "tokens": had[1]},
-        ),
+        # the cell holds none of the run's trajectories: they lie in their recent periods
+        ("trajectory_tally", (p1, int(run_id), 0)): ({"n": 0, "tokens": 100}, {"n": 0, "tokens": 0}),
         ("question_tally", (p2,)): ({"n": 0}, {"n": questions}),
     }
 

@@ -163,6 +163,10 @@ class RunQuestion(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+#: a column default of 0 in the schema (a name: `Trajectory.text` hides `text` in its class)
+_ZERO = text("0")
+
+
 class Trajectory(Base):
     """A stored correct rollout. `scope` owns it: the run id (sharing `per_run`) or the pool's
     shared scope `pool_scope(pool id)`; replay and de-duplication stay inside the scope."""
@@ -191,6 +195,10 @@ class Trajectory(Base):
     text: Mapped[str | None] = mapped_column(Text, nullable=True)
     """The response as text, when its producer sent it (for people to read; never replayed)."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    period: Mapped[int] = mapped_column(BigInteger, default=0, server_default=_ZERO)
+    """The trajectory tally's period of `created_at` (`repo.tally_period`: ten seconds from the
+    epoch), written with the row so that the tally's triggers read it as a plain value (migration
+    0015); 0 for rows stored long before that migration."""
 
 
 class Batch(Base):
@@ -295,8 +303,8 @@ trajectory_tally = Table(
     Base.metadata,
     Column("pool_id", BigInteger, nullable=False),
     Column("run_id", BigInteger, nullable=False),
-    # on Postgres the ten seconds of `created_at` its trajectories were made in (`repo.tally_period`),
-    # 0 for periods folded as long past (`repo.fold_tallies`, migration 0014); always 0 on SQLite
+    # the ten seconds of `created_at` its trajectories were made in (`trajectory.period`), 0 for
+    # periods folded as long past (`repo.fold_tallies`, migrations 0014 and 0015)
     Column("period", BigInteger, nullable=False, server_default=text("0")),
     Column("n", BigInteger, nullable=False),
     Column("tokens", BigInteger, nullable=False),

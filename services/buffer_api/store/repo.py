@@ -714,26 +714,14 @@ def tally_period(at: datetime) -> int:
     return ((at if at.tzinfo is not None else at.replace(tzinfo=UTC)) - _EPOCH) // _PERIOD
 
 
-def _period_sql(dialect: str, column: str = "created_at") -> str:
-    """`tally_period` in SQL, of a `created_at` column; on SQLite always 0. SQLite keeps no
-    periods: its tally's DELETE trigger would have to compute one, and a trigger that calls any
-    SQL function makes every DELETE of trajectories copy the pages it changes into a statement
-    journal on disk (1.78 MB for an eviction of 200 trajectories of 1k tokens; `tests/unit/
-    test_sqlite_tally_journal.py`), which migration 0011 took away. SQLite counts a run's recent
-    trajectories row by row, within the loop's budget (`RECENT_ON_LOOP`)."""
-    if dialect == "postgresql":
-        return f"floor(extract(epoch FROM {column}) / {TALLY_PERIOD_S})::bigint"
-    return "0"
-
-
 def _fold_cut(now: datetime | None) -> int:
     """The first period a fold keeps: those before it ended `TALLY_FOLD_AFTER` ago or earlier."""
     return tally_period((now or datetime.now(UTC)) - timedelta(seconds=TALLY_FOLD_AFTER))
 
 
 #: each tally: the table it counts, its cell's key columns and its counts, each as the counted
-#: rows' expression (what migration 0010's triggers add per row, grouped; `{period}`: the
-#: dialect's `_period_sql`)
+#: rows' expression (what migration 0010's triggers add per row, grouped; `{period}`: the row's
+#: period, or 0 where it is folded)
 _TALLIES: dict[Table, tuple[str, dict[str, str], dict[str, str]]] = {
     state_tally: (
         "run_question",
@@ -749,23 +737,23 @@ _TALLIES: dict[Table, tuple[str, dict[str, str], dict[str, str]]] = {
 }
 
 
-def _counted(table: Table, dialect: str, source: str | None = None, *, fold_before: int | None = None) -> str:
+def _counted(table: Table, source: str | None = None, *, fold_before: int | None = None) -> str:
     """The rows a tally counts, a row per cell, in the tally's columns; from `source` (a CTE of
     rows shaped like the counted table's) instead of the whole counted table; with `fold_before`,
     the trajectory tally's periods before it counted in period 0, as a fold leaves them."""
     counted, keys, values = _TALLIES[table]
-    period = _period_sql(dialect)
+    period = "period"
     if fold_before is not None:
-        period = f"CASE WHEN {period} < {int(fold_before)} THEN 0 ELSE {period} END"
+        period = f"CASE WHEN period < {int(fold_before)} THEN 0 ELSE period END"
     exprs = ", ".join([*keys.values(), *values.values()]).replace("{period}", period)
     groups = ", ".join(str(i + 1) for i in range(len(keys)))
     return f"SELECT {exprs} FROM {source or counted} GROUP BY {groups}"
 
 
-def _recount(table: Table, dialect: str, source: str | None = None, *, fold_before: int | None = None) -> str:
+def _recount(table: Table, source: str | None = None, *, fold_before: int | None = None) -> str:
     """The tally rows of what `_counted` counts."""
     _, keys, values = _TALLIES[table]
-    counted = _counted(table, dialect, source, fold_before=fold_before)
+    counted = _counted(table, source, fold_before=fold_before)
     return f"INSERT INTO {table.name} ({', '.join([*keys, *values])}) {counted}"
 
 
@@ -774,13 +762,13 @@ def _unnest(types: Iterable[str]) -> str:
     return ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(types))
 
 
-def tally_trajectories(dialect: str) -> str:
+def tally_trajectories() -> str:
     """The trajectory tally's rows of every stored trajectory, for a database whose trajectories
     were loaded without `insert_trajectories` (which counts its own: there is no INSERT trigger on
     `trajectory`, migrations 0010 and 0013) into an empty trajectory tally; the periods long past
     counted as folded (a tally row per ten seconds of a long history would be read by every stats
     request until the next fold)."""
-    return _recount(trajectory_tally, dialect, fold_before=_fold_cut(None))
+    return _recount(trajectory_tally, fold_before=_fold_cut(None))
 
 
 async def fold_tallies(session: AsyncSession, *, now: datetime | None = None) -> int:
@@ -788,11 +776,12 @@ async def fold_tallies(session: AsyncSession, *, now: datetime | None = None) ->
     changed it) into one row, and drop cells that sum to nothing; fold the trajectory tally's
     periods that ended `TALLY_FOLD_AFTER` before `now` into period 0. How many rows were folded.
     Safe beside writers and other folds: each statement moves the committed rows it deletes into
-    their sums, and writers only add rows. Nothing to fold on SQLite (one row per cell, kept by
-    its writers, and no periods: `_period_sql`)."""
+    their sums, and writers only add rows. SQLite keeps one row per cell (its writers add to it)
+    and has one writer at a time: only its periods long past are folded (`_fold_periods_sqlite`;
+    an insert folds its run's as it opens a new period)."""
     conn = await _connection(session)
     if conn.dialect.name != "postgresql":
-        return 0
+        return await _fold_periods_sqlite(conn, _fold_cut(now))
     # the periods long past become period 0 rows, which the cells' fold below sums with the rest
     folded = await _driver_write(
         conn, "UPDATE trajectory_tally SET period = 0 WHERE period > 0 AND period < $1", (_fold_cut(now),)
@@ -846,13 +835,12 @@ async def tally_drift(session: AsyncSession, *, now: datetime | None = None) -> 
     questions, states and trajectories: a repair's check, not a request's); the trajectory tally's
     periods that a fold at `now` would fold compared as folded."""
     drift: list[TallyDrift] = []
-    dialect = (await _connection(session)).dialect.name
     cut = _fold_cut(now)
     for table, (_, key_exprs, value_exprs) in _TALLIES.items():
         keys, values = list(key_exprs), list(value_exprs)
         sums = ", ".join(f"sum({v})" for v in values)
         summed = f"SELECT {', '.join(keys)}, {sums} FROM {table.name} GROUP BY {', '.join(keys)}"
-        kept, counted = [await _cells(session, sql, len(keys)) for sql in (summed, _counted(table, dialect))]
+        kept, counted = [await _cells(session, sql, len(keys)) for sql in (summed, _counted(table))]
         if "period" in keys:  # periods long past compared as folded, whether folded yet or not
             at = keys.index("period")
             kept, counted = (_folded_cells(cells, at, cut) for cells in (kept, counted))
@@ -880,11 +868,10 @@ async def recount_tallies(session: AsyncSession) -> list[TallyDrift]:
     count once, and no writer waits. A fold that deletes the same tally rows waits for the repair,
     or, if it committed first, makes the repair fail with a serialization error (run again)."""
     drift = await tally_drift(session)
-    dialect = (await _connection(session)).dialect.name
     for table in _TALLIES:
         if any(d.tally == table.name for d in drift):
             await session.execute(table.delete())
-            await session.execute(text(_recount(table, dialect, fold_before=_fold_cut(None))))
+            await session.execute(text(_recount(table, fold_before=_fold_cut(None))))
     return drift
 
 
@@ -1239,6 +1226,7 @@ _PG_ARRAY_TYPES = {
     "dedup_key": "bytea",
     "text": "text",
     "created_at": "timestamptz",
+    "period": "bigint",
 }
 _TRAJECTORY_CONFLICT = "ON CONFLICT (question_id, scope, dedup_key) DO NOTHING"
 #: Postgres: the trajectories over arrays, with the tally rows of what was inserted in the same
@@ -1247,8 +1235,8 @@ _TRAJECTORIES_INSERT_PG = (
     f"WITH stored AS (INSERT INTO trajectory ({', '.join(_TRAJECTORY_COLUMNS)}) "
     f"SELECT * FROM unnest({_unnest(_PG_ARRAY_TYPES[c] for c in _TRAJECTORY_COLUMNS)}) "
     f"{_TRAJECTORY_CONFLICT} "
-    "RETURNING pool_id, source_run_id, num_tokens, created_at), "
-    f"counted AS ({_recount(trajectory_tally, 'postgresql', 'stored')}) "
+    "RETURNING pool_id, source_run_id, num_tokens, period), "
+    f"counted AS ({_recount(trajectory_tally, 'stored')}) "
     "SELECT count(*) FROM stored"
 )
 #: SQLite: one row's insert, run for every row
@@ -1259,16 +1247,44 @@ _TRAJECTORY_INSERT_SQLITE = (
 #: SQLite: the largest trajectory id, and the tally's cells of the trajectories above an id
 _LAST_TRAJECTORY_SQLITE = "SELECT max(id) FROM trajectory"
 _COUNTED_AFTER_SQLITE = (
-    "SELECT pool_id, coalesce(source_run_id, 0), count(*), sum(num_tokens) FROM trajectory "
-    "WHERE id > ? GROUP BY 1, 2"
+    "SELECT pool_id, coalesce(source_run_id, 0), period, count(*), sum(num_tokens) FROM trajectory "
+    "WHERE id > ? GROUP BY 1, 2, 3"
 )
 #: SQLite: add (n, tokens) to a cell of the trajectory tally, which holds one row per cell there
-_CELL_SQLITE = "pool_id = ? AND run_id = ?"
+_CELL_SQLITE = "pool_id = ? AND run_id = ? AND period = ?"
 _BUMP_SQLITE = f"UPDATE OR IGNORE trajectory_tally SET n = n + ?, tokens = tokens + ? WHERE {_CELL_SQLITE}"
 _ADD_CELL_SQLITE = (
-    "INSERT OR IGNORE INTO trajectory_tally (pool_id, run_id, n, tokens) SELECT ?, ?, ?, ? "
+    "INSERT OR IGNORE INTO trajectory_tally (pool_id, run_id, period, n, tokens) SELECT ?, ?, ?, ?, ? "
     f"WHERE NOT EXISTS (SELECT 1 FROM trajectory_tally WHERE {_CELL_SQLITE})"
 )
+#: SQLite: the periods long past of the tally (of one pool and run, where the cell is given)
+_LONG_PAST_SQLITE = "period > 0 AND period < ?"
+_OF_RUN_SQLITE = " AND pool_id = ? AND run_id = ?"
+
+
+async def _add_to_cell_sqlite(conn: AsyncConnection, cell: tuple[int, int, int], n: int, tokens: int) -> bool:
+    """SQLite: add to a trajectory tally cell (pool, run, period); whether it was a new one."""
+    if await _driver_write(conn, _BUMP_SQLITE, (n, tokens, *cell)):
+        return False
+    await _driver_write(conn, _ADD_CELL_SQLITE, (*cell, n, tokens, *cell))
+    return True
+
+
+async def _fold_periods_sqlite(conn: AsyncConnection, cut: int, run: tuple[int, int] | None = None) -> int:
+    """SQLite: the trajectory tally's periods before `cut` (of one (pool, run), where given)
+    added to their cells' period 0 and removed, with the cells that sum to nothing; how many rows
+    were folded or removed. A handful of rows: an insert folds its run's each time it opens a
+    period, so they are those of one fold's wait (and of trajectories deleted after their periods
+    were folded)."""
+    where = _LONG_PAST_SQLITE + (_OF_RUN_SQLITE if run else "")
+    args = (cut, *(run or ()))
+    sums = "SELECT pool_id, run_id, sum(n), sum(tokens), count(*) FROM trajectory_tally"
+    summed = await _driver_rows(conn, f"{sums} WHERE {where} GROUP BY 1, 2", args)
+    for pool, run_id, n, tokens, _ in summed:
+        await _add_to_cell_sqlite(conn, (int(pool), int(run_id), 0), int(n), int(tokens))
+    # the folded rows, and the cells that sum to nothing (their trajectories all deleted)
+    gone = f"({where}) OR (n = 0 AND tokens = 0{_OF_RUN_SQLITE if run else ''})"
+    return await _driver_write(conn, f"DELETE FROM trajectory_tally WHERE {gone}", (*args, *(run or ())))
 
 
 async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]]) -> int:
@@ -1282,6 +1298,8 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
     rows = sorted(rows, key=itemgetter("question_id"))
     if not rows:
         return 0
+    for r in rows:  # the tally's period of each, stored with it (migration 0015)
+        r["period"] = tally_period(r["created_at"])
     conn = await _connection(session)
     if conn.dialect.name == "postgresql":
         columns = [[r[c] for r in rows] for c in _TRAJECTORY_COLUMNS]
@@ -1295,18 +1313,22 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
     last = (await _driver_rows(conn, _LAST_TRAJECTORY_SQLITE, ()))[0][0]
     # the driver sums the rows each parameter set inserted (a conflict inserts none)
     stored = await _driver_write(conn, _TRAJECTORY_INSERT_SQLITE, values, many=True)
-    cells: dict[tuple[int, int], list[int]] = {}
+    cells: dict[tuple[int, int, int], list[int]] = {}
     if stored == len(rows):  # every row new (the usual case): counted from the rows sent
         for r in rows:
-            cell = cells.setdefault((r["pool_id"], r["source_run_id"] or 0), [0, 0])
-            cell[0] += 1
-            cell[1] += r["num_tokens"]
+            counts = cells.setdefault((r["pool_id"], r["source_run_id"] or 0, r["period"]), [0, 0])
+            counts[0] += 1
+            counts[1] += r["num_tokens"]
     elif stored:
-        for pool, run, n, tokens in await _driver_rows(conn, _COUNTED_AFTER_SQLITE, (last or 0,)):
-            cells[(int(pool), int(run))] = [int(n), int(tokens)]
-    for (pool, run), (n, tokens) in cells.items():
-        if not await _driver_write(conn, _BUMP_SQLITE, (n, tokens, pool, run)):  # a new cell
-            await _driver_write(conn, _ADD_CELL_SQLITE, (pool, run, n, tokens, pool, run))
+        for pool, run, period, n, tokens in await _driver_rows(conn, _COUNTED_AFTER_SQLITE, (last or 0,)):
+            cells[(int(pool), int(run), int(period))] = [int(n), int(tokens)]
+    opened: set[tuple[int, int]] = set()
+    for (pool, run, period), (n, tokens) in cells.items():
+        if await _add_to_cell_sqlite(conn, (pool, run, period), n, tokens):
+            opened.add((pool, run))
+    # a run's new period: its periods long past folded now, so its cells stay a few dozen rows
+    for cell in opened:
+        await _fold_periods_sqlite(conn, _fold_cut(None), cell)
     return stored
 
 
@@ -1517,14 +1539,14 @@ async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, lim
 #: more is run again in a worker thread, so that the stats of a run ingesting fast (300k
 #: trajectories in five minutes at 1k/s: ~11 ms of counting) do not hold up every other request
 RECENT_ON_LOOP = 20_000
-#: SQLite's virtual machine steps of counting one index entry (~3.1), and a statement's own per
-#: run beside it (the run's tally cell, its index seek: ~68), as `tests/service/
+#: SQLite's virtual machine steps of counting one index entry (~3.4), and a statement's own per
+#: run beside it (the run's tally cells, whole and recent, its index seek: ~95), as `tests/service/
 #: test_run_stats_counts.py` measures them: a statement's budget on the loop is `RECENT_ON_LOOP`
 #: entries of counting and its runs' own steps. Counted in steps, not with a `LIMIT` on each
 #: count: SQLite counts a limited subquery's rows one by one through a co-routine, ~45% slower
 #: per entry than its count over the index.
 STEPS_PER_ENTRY = 3
-STEPS_PER_RUN = 80
+STEPS_PER_RUN = 110
 
 #: (database, runs) of the stats statements whose last count went past `RECENT_ON_LOOP`: run in
 #: the worker thread at once (not on the loop up to the budget first, then again), until a count
@@ -1549,11 +1571,12 @@ async def run_trajectory_counts(
     session: AsyncSession, pool_id: int, run_ids: Sequence[int], since: datetime
 ) -> dict[int, tuple[int, int]]:
     """Per run of the pool: (trajectories the run stored, of which since `since`): the total from
-    the trajectory tally. The recent ones on Postgres: the tally's whole periods from `since`'s
-    on, with the rows of part of `since`'s period counted over the run's part of the (run,
-    created) index (`_boundary`: at most half a period's rows, whatever the run's ingest rate;
-    every row of the five minutes before, 6-9 ms of Postgres for a run ingesting at full speed).
-    On SQLite (no periods, `_period_sql`) over that index from `since` on (see `RECENT_ON_LOOP`)."""
+    the trajectory tally, the recent ones from the tally's whole periods from `since`'s on, with
+    the rows of part of `since`'s period counted over the run's part of the (run, created) index
+    (`_boundary`: at most half a period's rows, whatever the run's ingest rate; every row of the
+    five minutes before migrations 0014 and 0015, 6-9 ms of Postgres, ~1.4 ms of SQLite, for a run
+    ingesting at full speed). SQLite counts that part on the loop within a budget (see
+    `RECENT_ON_LOOP`)."""
     out = {r: (0, 0) for r in run_ids}
     if not run_ids:
         return out
@@ -1561,61 +1584,53 @@ async def run_trajectory_counts(
     conn = await _connection(session)
     inline = inline_sqlite(conn)
     q = _Sql(conn)
-    totals = (
+    first, lo, hi, sign = _boundary(since)
+    if not q.pg:  # SQLite compares times as its column's text
+        lo, hi = _bound(conn, _traj_t, ("created_at", "created_at"))((lo, hi))
+    sql = (
         f"SELECT 0, run_id, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
-        f"AND run_id {q.ids(ids)} GROUP BY run_id"
+        f"AND run_id {q.ids(ids)} GROUP BY run_id UNION ALL "
+        f"SELECT 1, run_id, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
+        f"AND run_id {q.ids(ids)} AND period >= {q.arg(first)} GROUP BY run_id"
     )
-    stored: dict[int, int] = {}
-    lately: dict[int, int] = {}
-    # SQLite compares `since` as its column's text (Postgres reads the tally's periods instead)
-    bound_since = None if q.pg else _bound(conn, _traj_t, ("created_at",))((since,))[0]
-    if q.pg:  # counted on its server, off the loop anyway
-        first, lo, hi, sign = _boundary(since)
-        recent = (
-            f"SELECT 1, run_id, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
-            f"AND run_id {q.ids(ids)} AND period >= {q.arg(first)} GROUP BY run_id UNION ALL "
-            f"SELECT 2, source_run_id, count(*) FROM trajectory WHERE source_run_id {q.ids(ids)} "
-            f"AND created_at >= {q.arg(lo)} AND created_at < {q.arg(hi)} GROUP BY source_run_id"
+    if inline is None:  # on Postgres's server, or SQLite's thread driver: off the loop anyway
+        sql += (
+            f" UNION ALL SELECT 2, source_run_id, count(*) FROM trajectory WHERE source_run_id "
+            f"{q.ids(ids)} AND created_at >= {q.arg(lo)} AND created_at < {q.arg(hi)} GROUP BY source_run_id"
         )
-        for kind, run_id, n in await _driver_rows(conn, f"{totals} UNION ALL {recent}", q.args):
-            if kind == 0:
-                stored[int(run_id)] = int(n)
-            else:  # the part of the first period: added after `since`, subtracted before it
-                lately[int(run_id)] = lately.get(int(run_id), 0) + (sign * int(n) if kind == 2 else int(n))
-    elif inline is None:  # SQLite's thread driver (off the loop): every recent row counted
-        recent = (
-            f"SELECT 1, source_run_id, count(*) FROM trajectory WHERE source_run_id {q.ids(ids)} "
-            f"AND created_at >= {q.arg(bound_since)} GROUP BY source_run_id"
-        )
-        for is_recent, run_id, n in await _driver_rows(conn, f"{totals} UNION ALL {recent}", q.args):
-            (lately if is_recent else stored)[int(run_id)] = int(n)
+        rows = list(await _driver_rows(conn, sql, q.args))
     else:
         # a count per run over its part of the (run, created) index: with `IN (...) GROUP BY`
         # SQLite takes ~2.3x as long (1.4 against 0.62 ms for 34k entries)
-        recent = "".join(
-            f" UNION ALL SELECT 1, {q.arg(r)}, (SELECT count(*) FROM trajectory WHERE "
-            f"source_run_id = {q.arg(r)} AND created_at >= {q.arg(bound_since)})"
+        sql += "".join(
+            f" UNION ALL SELECT 2, {q.arg(r)}, (SELECT count(*) FROM trajectory WHERE "
+            f"source_run_id = {q.arg(r)} AND created_at >= {q.arg(lo)} AND created_at < {q.arg(hi)})"
             for r in ids
         )
-        sql = f"{totals}{recent}"
         statement = (conn.engine.url.database, tuple(ids))
-        rows: list[Any] | None = None
+        found: list[Any] | None = None
         try:
             if statement not in _COUNTED_OFF_LOOP:
                 steps = RECENT_ON_LOOP * STEPS_PER_ENTRY + STEPS_PER_RUN * len(ids)
-                rows = await sqlite_inline.fetch_all_within(inline, sql, q.args, steps)
-            if rows is None:
-                rows = await sqlite_inline.fetch_all_off_loop(inline, sql, q.args)
+                found = await sqlite_inline.fetch_all_within(inline, sql, q.args, steps)
+            if found is None:
+                found = await sqlite_inline.fetch_all_off_loop(inline, sql, q.args)
         except sqlite3.Error as e:
             raise _sqlite_error(sql, q.args, e) from e
-        for is_recent, run_id, n in rows:
-            (lately if is_recent else stored)[int(run_id)] = int(n)
-        if sum(lately.values()) >= RECENT_ON_LOOP:
+        rows = found
+        if sum(int(n) for kind, _, n in rows if kind == 2) >= RECENT_ON_LOOP:
             if len(_COUNTED_OFF_LOOP) >= 4096:  # statements of runs and pools long gone
                 _COUNTED_OFF_LOOP.clear()
             _COUNTED_OFF_LOOP.add(statement)
         else:
             _COUNTED_OFF_LOOP.discard(statement)
+    stored: dict[int, int] = {}
+    lately: dict[int, int] = {}
+    for kind, run_id, n in rows:
+        if kind == 0:
+            stored[int(run_id)] = int(n)
+        else:  # the part of the first period: added after `since`, subtracted before it
+            lately[int(run_id)] = lately.get(int(run_id), 0) + (sign * int(n or 0) if kind == 2 else int(n))
     for run_id in ids:
         out[run_id] = (stored.get(run_id, 0), lately.get(run_id, 0))
     return out
