@@ -1347,7 +1347,8 @@ async def trajectories_of(
     like the ORM class) read by a driver statement: building ~300 mapped objects per plan was ~15%
     of its time in a profile, and the Core statement's own work half of the rest."""
     out: dict[int, list[Trajectory]] = {q: [] for q in qids}
-    skip = (() if payload else ("token_ids", "logprobs", "dedup_key")) + (() if text else ("text",))
+    skip = ("period",) + (() if payload else ("token_ids", "logprobs", "dedup_key"))
+    skip += () if text else ("text",)
     names = [c.name for c in _traj_t.c if c.name not in skip and (only is None or c.name in only)]
     for chunk in _chunks(list(qids)):
         q = _Sql(await _connection(session))
@@ -1384,7 +1385,7 @@ async def trajectories_by_id(
 ) -> dict[int, Any]:
     """Stored trajectories by id (those that still exist), as plain rows; token ids and
     log-probs with `payload`."""
-    skip = ("dedup_key", "text") + (() if payload else ("token_ids", "logprobs"))
+    skip = ("dedup_key", "text", "period") + (() if payload else ("token_ids", "logprobs"))
     names = [c.name for c in _traj_t.c if c.name not in skip]
     out: dict[int, Any] = {}
     for chunk in _chunks(sorted(set(ids))):
