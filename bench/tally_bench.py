@@ -63,16 +63,17 @@ _SEED_QUESTIONS = (
 )
 _TRAJ_PG = (
     "INSERT INTO trajectory (question_id, pool_id, scope, source_run_id, step, token_ids, logprobs, "
-    "num_tokens, reward, entropy, dedup_key, policy_version, created_at) SELECT *, 0, now() FROM unnest("
+    "num_tokens, reward, entropy, dedup_key, policy_version, created_at, period) "
+    "SELECT *, 0, now(), floor(extract(epoch FROM now()) / 10)::bigint FROM unnest("
     "$1::bigint[], $2::bigint[], $3::bigint[], $4::bigint[], $5::int[], $6::bytea[], $7::bytea[], $8::int[], "
     "$9::float8[], $10::float8[], $11::bytea[])"
 )
 #: with the tallies: the tally rows of what the INSERT stored, in the same statement (as the service)
 _TRAJ_PG_COUNTED = (
-    f"WITH stored AS ({_TRAJ_PG} RETURNING pool_id, source_run_id, num_tokens, created_at), "
+    f"WITH stored AS ({_TRAJ_PG} RETURNING pool_id, source_run_id, num_tokens, period), "
     "counted AS (INSERT INTO trajectory_tally (pool_id, run_id, period, n, tokens) "
-    "SELECT pool_id, coalesce(source_run_id, 0), floor(extract(epoch FROM created_at) / 10)::bigint, "
-    "count(*), sum(num_tokens) FROM stored GROUP BY 1, 2, 3) SELECT count(*) FROM stored"
+    "SELECT pool_id, coalesce(source_run_id, 0), period, count(*), sum(num_tokens) FROM stored "
+    "GROUP BY 1, 2, 3) SELECT count(*) FROM stored"
 )
 #: the pool's oldest trajectories removed, as an eviction does
 _EVICT = (

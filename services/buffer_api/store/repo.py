@@ -1298,8 +1298,15 @@ async def insert_trajectories(session: AsyncSession, rows: list[dict[str, Any]])
     rows = sorted(rows, key=itemgetter("question_id"))
     if not rows:
         return 0
-    for r in rows:  # the tally's period of each, stored with it (migration 0015)
-        r["period"] = tally_period(r["created_at"])
+    # the tally's period of each, stored with it (migration 0015): worked out once per creation
+    # time, which a request's rows share
+    periods: dict[datetime, int] = {}
+    for r in rows:
+        at = r["created_at"]
+        period = periods.get(at)
+        if period is None:
+            period = periods[at] = tally_period(at)
+        r["period"] = period
     conn = await _connection(session)
     if conn.dialect.name == "postgresql":
         columns = [[r[c] for r in rows] for c in _TRAJECTORY_COLUMNS]
