@@ -6,8 +6,10 @@ the polled reads (a page of 50 questions, a run's stats, the pool's stats) and a
 selection of 64 questions is sent as a bare ASGI call (no HTTP, no client) to:
 
 * ``app``: the whole service app (middleware, routing, the route's handler, the endpoint);
-* ``middleware``: the app's middleware stack with a trivial app where the router was;
-* ``route``: the matched route's own ASGI app (its handler and the endpoint, no routing);
+* ``middleware``: the app's middleware stack with a trivial app where the lean routes' dispatch
+  (`DirectRoutes`, the innermost) was;
+* ``route``: the matched route's own part (a lean route's handler as `DirectRoutes` calls it, else
+  the route's ASGI app: its handler and the endpoint, no routing);
 * ``service``: the endpoint's service call alone (`exgrpo_pool.service`, the answer's bytes);
 * ``floor``: the floor's whole app (`bench/_floor.py`: the same work, a minimal implementation).
 
@@ -38,9 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _floor
 import _seed
 import pool_bench as pb
+from starlette.requests import Request
 
 from exgrpo_client import schemas as s
 from exgrpo_pool.api.deps import json_response
+from exgrpo_pool.api.lean import DirectRoutes
 from exgrpo_pool.app import create_app
 from exgrpo_pool.service import batches
 from exgrpo_pool.service import pools as svc
@@ -93,6 +97,20 @@ async def _call(app: Asgi, scope: dict[str, Any], body: bytes) -> dict[str, Any]
     return sc
 
 
+def _route_app(route: Any) -> Asgi:
+    """The matched route's own part as the app runs it: a lean route's handler (`LeanRoute.direct`,
+    as `DirectRoutes` calls it), else the route's ASGI app (FastAPI's handler)."""
+    handler = getattr(route, "direct", None)
+    if handler is None:
+        return route.handle  # type: ignore[no-any-return]
+
+    async def direct(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        response = await handler(Request(scope, receive, send))
+        await response(scope, receive, send)
+
+    return direct
+
+
 async def _trivial(_scope: dict[str, Any], _receive: Any, send: Any) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"{}"})
@@ -132,10 +150,10 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         app, floor = await started(stack, args, "request_layers")
         ctx = app.state.ctx
         floor_app = _floor.app_for(floor)
-        # the middleware stack over a trivial app where the router was
+        # the middleware stack over a trivial app where the lean routes' dispatch was
         bare: Any = app.build_middleware_stack()
         node = bare
-        while not hasattr(node.app, "routes"):
+        while not isinstance(node.app, DirectRoutes) and not hasattr(node.app, "routes"):
             node = node.app
         node.app = _trivial
 
@@ -165,7 +183,7 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         for kind, (scope, body) in requests.items():
             routed = await _call(app, scope, body)
             route_scope = {k: v for k, v in routed.items() if k != "state"}
-            route_app = routed["route"].handle
+            route_app = _route_app(routed["route"])
             layers: dict[str, Callable[[], Awaitable[Any]]] = {
                 "app": lambda sc=scope, b=body: _call(app, sc, b),
                 "middleware": lambda sc=scope, b=body: _call(bare, sc, b),

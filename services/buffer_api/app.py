@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from exgrpo_pool import faults
 from exgrpo_pool.admission import Admission
 from exgrpo_pool.api.contract import allowed_methods, install_openapi
+from exgrpo_pool.api.lean import DirectRoutes
 from exgrpo_pool.api.routes import batches, dashboard, docs, pools, runs
 from exgrpo_pool.config import Settings
 from exgrpo_pool.errors import PayloadTooLarge, ServiceError
@@ -596,6 +597,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         redoc_url=None,
     )
     install_handlers(app)
+    app.add_middleware(DirectRoutes, owner=app)  # the innermost of the service's middleware
     if settings.max_active_requests:
         app.add_middleware(Admission, limit=settings.max_active_requests, waiting=metrics.requests_waiting)
     app.add_middleware(Observability, metrics=metrics)

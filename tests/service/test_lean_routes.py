@@ -2,7 +2,8 @@
 replay selection, a commit, an ingest) answer every request as FastAPI's own handler answers it:
 the same status, headers that matter and body, for good requests, bad parameters, bad bodies (JSON
 and binary frames), unknown names and every kind of caller; and they do take the lean path
-(FastAPI's solver is not called for them)."""
+(FastAPI's solver is not called for them), straight from the service's middleware (FastAPI's
+router is not entered for them; it still answers everything else, with dependency overrides too)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 from fastapi import routing as fastapi_routing
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, APIRouter
 
 from exgrpo_client import frames
 from exgrpo_client.schemas import unpack_ids, unpack_logprobs
+from exgrpo_pool.api.deps import Principal, get_principal
 from exgrpo_pool.api.lean import LeanRoute, lean_routes
 from exgrpo_pool.app import create_app
 from exgrpo_pool.config import TokenGrant
@@ -96,6 +98,10 @@ REQUESTS = [
     "/v1/pools/bad%20name/questions?limit=0",
     "/v1/pools/p1/runs/bad%20name/stats",
     "/v1/pools/bad%20name/runs/bad%20name/stats",
+    # no route matches (a redirect to the path without the slash), or another route does
+    "/v1/pools/p1/stats/",
+    "/v1/pools/p1/runs/r1",
+    "/v1/pools/p1",
 ]
 
 #: reads one other pool only, and may read nothing of p1; writes nothing
@@ -169,6 +175,16 @@ def _writes(batch: str, groups: dict[str, Any]) -> list[tuple[str, bytes, dict[s
     return out
 
 
+def _lean_path(app: Any, path: str) -> bool:
+    """Whether a GET of `path` (a query string aside) is a lean route's (the router's first match)."""
+    scope = {"type": "http", "method": "GET", "path": path.partition("?")[0], "root_path": ""}
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match.name != "NONE":
+            return match.name == "FULL" and route.path in LEAN_PATHS
+    return False
+
+
 def _answer(r: httpx.Response) -> tuple[int, str | None, Any]:
     if r.headers.get("content-type") == "application/x-msgpack":
         return r.status_code, r.headers["content-type"], r.content
@@ -193,6 +209,15 @@ async def test_lean_routes_answer_as_fastapi_does(backend: Backend, monkeypatch:
         return await real_solve(**kw)
 
     monkeypatch.setattr(fastapi_routing, "solve_dependencies", counted)
+    routed: list[str] = []
+    real_route = APIRouter.app
+
+    async def route_counted(self: APIRouter, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            routed.append(scope["path"])
+        await real_route(self, scope, receive, send)
+
+    monkeypatch.setattr(APIRouter, "app", route_counted)
     async with serve_app(settings) as (app, admin):
         assert set(lean_routes(app.router.routes)) == LEAN_PATHS
         await setup_pool(admin, "p1", questions=12, runs=("r1", "r2"), phase="mixed")
@@ -209,16 +234,22 @@ async def test_lean_routes_answer_as_fastapi_does(backend: Backend, monkeypatch:
             for headers in CALLERS:
                 for path in REQUESTS:
                     solved.clear()
+                    routed.clear()
                     got = _answer(await fast.get(path, headers=headers))
-                    assert solved == [], (path, "the lean app called FastAPI's solver")
+                    lean = _lean_path(app, path)
+                    if lean:
+                        assert solved == [] and routed == [], (path, "router or solver called")
+                    else:
+                        assert routed == [path.partition("?")[0]], (path, "router not entered")
                     want = _answer(await plain.get(path, headers=headers))
-                    assert solved, (path, "the plain app did not call FastAPI's solver")
+                    assert solved or not lean, (path, "the plain app did not call FastAPI's solver")
                     assert got == want, (headers, path)
                     statuses.add(got[0])
                 for path, body, extra in SELECTIONS:
                     solved.clear()
+                    routed.clear()
                     got = _answer(await fast.post(path, content=body, headers={**headers, **extra}))
-                    assert solved == [], (path, "the lean app called FastAPI's solver")
+                    assert solved == [] and routed == [], (path, "router or solver called")
                     want = _answer(await plain.post(path, content=body, headers={**headers, **extra}))
                     assert solved or want[0] in (400, 422), (
                         path,
@@ -233,8 +264,9 @@ async def test_lean_routes_answer_as_fastapi_does(backend: Backend, monkeypatch:
             for headers in CALLERS:
                 for path, body, extra in writes:
                     solved.clear()
+                    routed.clear()
                     got = _answer(await fast.post(path, content=body, headers={**headers, **extra}))
-                    assert solved == [], (path, "the lean app called FastAPI's solver")
+                    assert solved == [] and routed == [], (path, "router or solver called")
                     want = _answer(await plain.post(path, content=body, headers={**headers, **extra}))
                     assert got == want, (headers, path, body[:200], extra)
                     statuses.add(got[0])
@@ -248,7 +280,27 @@ async def test_lean_routes_answer_as_fastapi_does(backend: Backend, monkeypatch:
             ]:
                 solved.clear()
                 r = await fast.post(path, content=body, headers={**bearer(ADMIN_TOKEN), **extra})
-                assert r.status_code == 200 and solved == [], (path, r.text)
+                assert r.status_code == 200 and solved == [] and routed == [], (path, r.text)
                 assert r.json()["stored_trajectories"] > 0, (path, r.json())
             # every kind of answer was compared
             assert statuses >= {200, 400, 401, 403, 404, 422}, statuses
+
+
+async def test_overridden_dependencies_take_fastapis_path(backend: Backend) -> None:
+    """An app whose dependencies are overridden (as a test of the app's users overrides them)
+    answers its lean routes through FastAPI's router and solver, which apply the override: a
+    caller without a token reads the pool's and a run's stats as the override's principal, and
+    without the override is refused again."""
+    async with serve_app(backend.settings()) as (app, admin):
+        await setup_pool(admin, "p1", questions=4, runs=("r1",), phase="mixed")
+        paths = ["/v1/pools/p1/stats", "/v1/pools/p1/runs/r1/stats", "/v1/pools/p1/questions?limit=2"]
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE) as anonymous:
+            for path in paths:
+                assert (await anonymous.get(path)).status_code == 401, path
+            app.dependency_overrides[get_principal] = lambda: Principal("override", frozenset({"read"}))
+            for path in paths:
+                r = await anonymous.get(path)
+                assert r.status_code == 200, (path, r.text)
+            del app.dependency_overrides[get_principal]
+            for path in paths:
+                assert (await anonymous.get(path)).status_code == 401, path

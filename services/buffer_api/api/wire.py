@@ -62,6 +62,8 @@ class FrameRoute(LeanRoute):
                 await _json_parsed(request)
             return await handle(request)
 
+        if self.direct is not None:  # a lean route: answered so (`DirectRoutes`)
+            self.direct = route_handler
         return route_handler
 
 

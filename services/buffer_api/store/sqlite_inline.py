@@ -63,7 +63,12 @@ async def fetch_all(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any
     the tuples `sqlite3` gives."""
     cursor = conn.cursor()
     try:
-        await _retrying(lambda: cursor.execute(sql, parameters))
+        try:  # the first try without the retry loop's clock and closure (~2 us of a ~10 us read)
+            cursor.execute(sql, parameters)
+        except sqlite3.OperationalError as error:
+            if not _busy(error):
+                raise
+            await _retrying(lambda: cursor.execute(sql, parameters))
         return cursor.fetchall()
     finally:
         cursor.close()
