@@ -129,7 +129,7 @@ async def run_for_write(session: AsyncSession, pool: Pool, name: str, claim: Lea
     return run
 
 
-async def missing_run(session: AsyncSession, pool_name: str, run_name: str) -> NotFound:
+async def missing_run(session: repo.Target, pool_name: str, run_name: str) -> NotFound:
     """The 404 of a pool or run that `repo.run_rows` did not find."""
     if not await repo.pool_exists(session, pool_name):
         return missing_pool(pool_name)
@@ -140,7 +140,7 @@ def missing_pool(name: str) -> NotFound:
     return NotFound(f"pool {name!r} does not exist; list pools with GET /v1/pools or create it")
 
 
-async def read_run(session: AsyncSession, pool_name: str, run_name: str) -> tuple[PoolRow, RunRow]:
+async def read_run(session: repo.Target, pool_name: str, run_name: str) -> tuple[PoolRow, RunRow]:
     """The pool and the run as plain rows, in one statement (a read)."""
     found = await repo.run_rows(session, pool_name, run_name)
     if found is None:

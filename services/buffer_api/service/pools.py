@@ -315,14 +315,14 @@ async def list_run_metrics(
 # (polled by dashboards and trainers: plain rows, on the hot path's connections, bounded work)
 async def run_stats(ctx: Context, pool_name: str, name: str) -> bytes:
     """The run's stats as `s.RunStats` JSON, written from plain values (`runs_stats`)."""
-    async with ctx.db.read() as session:
+    async with ctx.db.polled() as session:
         pool, run = await read_run(session, pool_name, name)
         return jsonwrite.dumps((await runs_stats(ctx, session, pool, [run]))[0])
 
 
 async def pool_stats(ctx: Context, pool_name: str) -> bytes:
     """The pool's stats as `s.PoolStats` JSON, written from plain values (`runs_stats`)."""
-    async with ctx.db.read() as session:
+    async with ctx.db.polled() as session:
         found = await repo.pool_with_totals(session, pool_name)
         if found is None:
             raise missing_pool(pool_name)

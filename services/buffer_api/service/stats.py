@@ -26,7 +26,7 @@ async def collect_run_stats(
 
 async def runs_stats(
     ctx: Context,
-    session: AsyncSession,
+    session: repo.Target,
     pool: AnyPool,
     runs: Sequence[AnyRun],
     *,

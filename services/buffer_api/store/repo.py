@@ -67,8 +67,9 @@ from exgrpo_pool.store.models import (
 _IN_CHUNK = 5000  # bound on bound parameters per statement (SQLite allows 32766)
 
 
-def _dialect(session: AsyncSession) -> str:
-    return session.get_bind().dialect.name
+def _dialect(session: AsyncSession | AsyncConnection) -> str:
+    bind = session if isinstance(session, AsyncConnection) else session.get_bind()
+    return bind.dialect.name
 
 
 def _insert(session: AsyncSession, table: Any) -> Any:
@@ -84,7 +85,7 @@ def _chunks(seq: Sequence[Any], n: int = _IN_CHUNK) -> Iterable[Sequence[Any]]:
         yield seq[i : i + n]
 
 
-def _is_pg(session: AsyncSession) -> bool:
+def _is_pg(session: AsyncSession | AsyncConnection) -> bool:
     return _dialect(session) == "postgresql"
 
 
@@ -113,6 +114,18 @@ async def _connection(session: AsyncSession) -> AsyncConnection:
     conn = await session.connection()
     session.info["exgrpo_connection"] = (_innermost(session), conn)
     return conn
+
+
+#: where a read's statements run: an ORM session (its current transaction's connection), or a
+#: connection of its own (`Database.polled`: the polled reads on the inline SQLite driver)
+Target = AsyncSession | AsyncConnection
+
+
+async def _conn_of(target: Target) -> AsyncConnection:
+    """The connection a read's driver statements run on (`_connection` of a session)."""
+    if isinstance(target, AsyncConnection):
+        return target
+    return await _connection(target)
 
 
 class _Sql:
@@ -392,14 +405,14 @@ def _direct(conn: AsyncConnection) -> bool:
     return inline_sqlite(conn) is not None or _asyncpg(conn) is not None
 
 
-async def _core_rows(session: AsyncSession, stmt: Any, params: dict[str, Any]) -> Sequence[Any]:
+async def _core_rows(session: Target, stmt: Any, params: dict[str, Any]) -> Sequence[Any]:
     """The rows of a Core statement built once (cached), as tuples of the values SQLAlchemy
     gives. Where the connection runs driver statements itself (`_direct`: `sqlite3` on the hot
     path's SQLite connections, asyncpg on Postgres) compiled once and run as one (through
     SQLAlchemy a small statement cost ~0.1-0.2 ms more: the session's execution, its context,
     the greenlet hops, a Row per row); else, or where SQLAlchemy must run it, through the
-    session."""
-    conn = await _connection(session)
+    session (or the connection given)."""
+    conn = await _conn_of(session)
     compiled = _compiled_once(stmt, conn.dialect, None) if _direct(conn) else None
     if compiled is None:
         return (await session.execute(stmt, params)).all()
@@ -452,7 +465,7 @@ def _lease_row(values: Sequence[Any]) -> LeaseRow | None:
 _LEASE_OF_RUN = select(*_LEASE_COLS).where(_lease_t.c.run_id == bindparam("run_id"))
 
 
-async def get_lease_row(session: AsyncSession, run_id: int) -> LeaseRow | None:
+async def get_lease_row(session: Target, run_id: int) -> LeaseRow | None:
     """The run's lease as a plain row (callers hold the run's row lock)."""
     rows = await _core_rows(session, _LEASE_OF_RUN, {"run_id": run_id})
     return LeaseRow(*rows[0]) if rows else None
@@ -473,15 +486,16 @@ def _run_rows_stmt(joined: bool, for_update: bool) -> Select[Any]:
 
 
 async def run_rows(
-    session: AsyncSession, pool_name: str, run_name: str, *, lock: bool = False, lease: bool = False
+    session: Target, pool_name: str, run_name: str, *, lock: bool = False, lease: bool = False
 ) -> tuple[PoolRow, RunRow, LeaseRow | None] | None:
     """The pool and the run (None: either does not exist) in one statement, the run row-locked
     for the caller's transaction with `lock`; with `lease` also the run's lease, read after the
     lock. On Postgres that is a second statement: a statement that waited for the lock answers
     the other tables' rows as they were when it started, and a take-over committed meanwhile
     would go unseen. (SQLite serialises writers before their first statement.)"""
-    joined = lease and not (lock and _is_pg(session))
-    stmt = _run_rows_stmt(joined, lock and _is_pg(session))
+    pg = (lock or lease) and _is_pg(session)
+    joined = lease and not (lock and pg)
+    stmt = _run_rows_stmt(joined, lock and pg)
     rows = await _core_rows(session, stmt, {"pool_name": pool_name, "run_name": run_name})
     if not rows:
         return None
@@ -554,9 +568,7 @@ def _pool_with_totals_stmt() -> Select[Any]:
     return select(*_POOL_COLS, *_pool_counts(_pool_t.c.id)).where(_pool_t.c.name == bindparam("pool_name"))
 
 
-async def pool_with_totals(
-    session: AsyncSession, name: str
-) -> tuple[PoolRow, tuple[int, int, int, int]] | None:
+async def pool_with_totals(session: Target, name: str) -> tuple[PoolRow, tuple[int, int, int, int]] | None:
     """The pool as a plain row and its (questions, trajectories, runs, payload tokens), from the
     tallies, in one statement (None: no such pool)."""
     rows = await _core_rows(session, _pool_with_totals_stmt(), {"pool_name": name})
@@ -570,7 +582,7 @@ async def pool_with_totals(
 _RUNS_OF_POOL = select(*_RUN_COLS).where(_run_t.c.pool_id == bindparam("pool_id")).order_by(_run_t.c.id)
 
 
-async def run_rows_of_pool(session: AsyncSession, pool_id: int) -> list[RunRow]:
+async def run_rows_of_pool(session: Target, pool_id: int) -> list[RunRow]:
     """The pool's runs as plain rows, in id order."""
     return [RunRow(*r) for r in await _core_rows(session, _RUNS_OF_POOL, {"pool_id": pool_id})]
 
@@ -619,7 +631,7 @@ def _as_is(value: Any) -> Any:
     return value
 
 
-async def pool_exists(session: AsyncSession, name: str) -> bool:
+async def pool_exists(session: Target, name: str) -> bool:
     return (await session.scalar(select(_pool_t.c.id).where(_pool_t.c.name == name))) is not None
 
 
@@ -1156,14 +1168,12 @@ async def retired_ids(session: AsyncSession, scope: int) -> np.ndarray:
     return np.fromiter((r[0] for r in await session.execute(stmt)), dtype=np.int64)
 
 
-async def state_counts(
-    session: AsyncSession, scopes: Sequence[int]
-) -> dict[int, tuple[dict[int, int], int, int]]:
+async def state_counts(session: Target, scopes: Sequence[int]) -> dict[int, tuple[dict[int, int], int, int]]:
     """Per scope: (bucket histogram of eligible questions, retired, seen), from the state tally."""
     out: dict[int, tuple[dict[int, int], int, int]] = {}
     if not scopes:
         return out
-    conn = await _connection(session)
+    conn = await _conn_of(session)
     q = _Sql(conn)
     sql = (
         f"SELECT scope, bucket, retired, sum(n) FROM state_tally WHERE scope {q.ids(sorted(set(scopes)))} "
@@ -1576,7 +1586,7 @@ def _boundary(since: datetime) -> tuple[int, datetime, datetime, int]:
 
 
 async def run_trajectory_counts(
-    session: AsyncSession, pool_id: int, run_ids: Sequence[int], since: datetime
+    session: Target, pool_id: int, run_ids: Sequence[int], since: datetime
 ) -> dict[int, tuple[int, int]]:
     """Per run of the pool: (trajectories the run stored, of which since `since`): the total from
     the trajectory tally, the recent ones from the tally's whole periods from `since`'s on, with
@@ -1589,7 +1599,7 @@ async def run_trajectory_counts(
     if not run_ids:
         return out
     ids = sorted(set(run_ids))
-    conn = await _connection(session)
+    conn = await _conn_of(session)
     inline = inline_sqlite(conn)
     q = _Sql(conn)
     first, lo, hi, sign = _boundary(since)
@@ -1665,13 +1675,13 @@ async def open_batch(session: AsyncSession, run_id: int, step: int) -> BatchRow 
     return BatchRow(*rows[0]) if rows else None
 
 
-async def last_replay_counts(session: AsyncSession, run_ids: Sequence[int]) -> dict[int, int]:
+async def last_replay_counts(session: Target, run_ids: Sequence[int]) -> dict[int, int]:
     """Per run: how many replayed questions its last committed batch had (0: none committed),
     counted by the database in the stored plan (its `replay` list), in one query: the plans
     themselves (~6 KB each) are neither sent nor parsed."""
     if not run_ids:
         return {}
-    conn = await _connection(session)
+    conn = await _conn_of(session)
     q = _Sql(conn)
     replayed = "jsonb_array_length(b.plan -> 'replay')" if q.pg else "json_array_length(b.plan, '$.replay')"
     # each run's batches from its newest step down (the (run, step) index backwards) to the first
