@@ -14,7 +14,6 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from exgrpo_pool.service import stats
 from exgrpo_pool.service.leases import read_run
-from exgrpo_pool.store import repo
 
 from .factories import commit_batch, correct_first, make_groups, ok, plan_batch, setup_pool
 from .harness import Backend, serve_app
@@ -65,8 +64,8 @@ async def test_sqlite_stats_read_without_a_session(
             assert made == [], "a polled stats read made an ORM session"
             # one connection kept, taken again by every poll, with no transaction left open on it
             assert len(db._readers) == 1
-            assert not db._readers[0].in_transaction()
-            assert not repo.inline_sqlite(db._readers[0]).in_transaction
+            assert not db._readers[0].conn.in_transaction()
+            assert not db._readers[0].inline.in_transaction
         for run in ("r1", "r2"):
             want = await _in_a_session(app, run)
             assert answers[f"/v1/pools/p1/runs/{run}/stats"] == want
@@ -77,7 +76,7 @@ async def test_sqlite_stats_read_without_a_session(
         for path in ("/v1/pools/nope/stats", "/v1/pools/p1/runs/nope/stats", "/v1/pools/nope/runs/r1/stats"):
             r = await admin.get(path)
             assert r.status_code == 404, (path, r.text)
-        assert all(not c.in_transaction() and not repo.inline_sqlite(c).in_transaction for c in db._readers)
+        assert all(not d.conn.in_transaction() and not d.inline.in_transaction for d in db._readers)
         assert (await admin.get(PATHS[1])).json() == answers[PATHS[1]]
 
 

@@ -200,7 +200,7 @@ class Database:
         #: hot reads' sessions kept with their connections for the next hot read (`_warm_read`)
         self._warm: list[AsyncSession] = []
         #: the polled reads' connections of the inline SQLite driver, kept for the next (`polled`)
-        self._readers: list[AsyncConnection] = []
+        self._readers: list[repo.Driver] = []
         #: the hot writes' session, bound to a connection it keeps (`_kept_write`)
         self._writer: AsyncSession | None = None
         if sqlite_inline and self.is_sqlite:
@@ -454,10 +454,11 @@ class Database:
                     await session.close()
 
     @contextlib.asynccontextmanager
-    async def polled(self) -> AsyncIterator[AsyncSession | AsyncConnection]:
+    async def polled(self) -> AsyncIterator[AsyncSession | repo.Driver]:
         """Where a polled read (a run's stats, the pool's stats) runs its statements: on the hot
         path's SQLite connections (the inline driver) a connection of its own, kept for the next
-        one (up to `WARM_READS` of them), without an ORM session; anywhere else, and inside a
+        one (up to `WARM_READS` of them) with its driver found once (`repo.Driver`), without an
+        ORM session; anywhere else, and inside a
         joined transaction, `read()`'s session. The repository's functions of these reads take
         either (`repo.Target`). A warm session's bookkeeping (taking it and keeping it again, its
         connection looked up per statement, its objects let go) cost a run's stats ~55 us of the
@@ -471,24 +472,24 @@ class Database:
             async with self.read() as session:
                 yield session
             return
-        conn = self._readers.pop() if self._readers else None
-        if conn is None or conn.closed or conn.invalidated:
-            conn = await self.hot_engine.connect()
+        reader = self._readers.pop() if self._readers else None
+        if reader is None or reader.conn.closed or reader.conn.invalidated:
+            reader = repo.Driver(await self.hot_engine.connect())
         kept = False
         try:
-            yield conn
-            raw = repo.inline_sqlite(conn)
+            yield reader
+            raw = reader.inline
             if (
                 raw is not None
                 and not raw.in_transaction
-                and not conn.in_transaction()
+                and not reader.conn.in_transaction()
                 and len(self._readers) < WARM_READS
             ):
-                self._readers.append(conn)
+                self._readers.append(reader)
                 kept = True
         finally:
             if not kept:
-                await conn.close()
+                await reader.conn.close()
 
     @contextlib.asynccontextmanager
     async def transaction(self, group: Hashable | None = None) -> AsyncIterator[AsyncSession]:
@@ -627,8 +628,8 @@ class Database:
         for session in warm:
             await session.close()
         readers, self._readers = self._readers, []
-        for conn in readers:
-            await conn.close()
+        for reader in readers:
+            await reader.conn.close()
         writer, self._writer = self._writer, None
         if writer is not None:
             await _close_bound(writer)

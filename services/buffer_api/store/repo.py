@@ -67,9 +67,8 @@ from exgrpo_pool.store.models import (
 _IN_CHUNK = 5000  # bound on bound parameters per statement (SQLite allows 32766)
 
 
-def _dialect(session: AsyncSession | AsyncConnection) -> str:
-    bind = session if isinstance(session, AsyncConnection) else session.get_bind()
-    return bind.dialect.name
+def _dialect(session: AsyncSession | Driver) -> str:
+    return session.dialect.name if isinstance(session, Driver) else session.get_bind().dialect.name
 
 
 def _insert(session: AsyncSession, table: Any) -> Any:
@@ -85,7 +84,7 @@ def _chunks(seq: Sequence[Any], n: int = _IN_CHUNK) -> Iterable[Sequence[Any]]:
         yield seq[i : i + n]
 
 
-def _is_pg(session: AsyncSession | AsyncConnection) -> bool:
+def _is_pg(session: AsyncSession | Driver) -> bool:
     return _dialect(session) == "postgresql"
 
 
@@ -106,26 +105,66 @@ async def _connection(session: AsyncSession) -> AsyncConnection:
     greenlet hop into the session (~20 us), and a request asks for it once per statement. A new
     transaction or savepoint asks the session again (it begins a savepoint on the connection
     when first asked for it there)."""
-    held = session.info.get("exgrpo_connection")
+    return (await _held(session))[1]
+
+
+async def _held(session: AsyncSession) -> tuple[object, AsyncConnection, Driver]:
+    """(transaction, connection, its `Driver`) as `_connection` keeps them in the session."""
+    held: tuple[object, AsyncConnection, Driver] | None = session.info.get("exgrpo_connection")
     tx = _innermost(session)
     if held is not None and tx is not None and held[0] is tx and not held[1].closed:
-        conn: AsyncConnection = held[1]
-        return conn
+        return held
     conn = await session.connection()
-    session.info["exgrpo_connection"] = (_innermost(session), conn)
-    return conn
+    held = session.info["exgrpo_connection"] = (_innermost(session), conn, Driver(conn))
+    return held
+
+
+class Driver:
+    """A checked-out connection's driver, found once: `sqlite3` on the hot path's SQLite
+    connections (`inline`), asyncpg on Postgres where `pg_direct` can use its adapter (`adapt`),
+    else SQLAlchemy's own execution. Finding it is a walk through SQLAlchemy's connection, pool
+    entry and driver objects (~1.5 us); a polled stats read made it six times a request."""
+
+    __slots__ = ("adapt", "conn", "dialect", "inline", "pg")
+
+    def __init__(self, conn: AsyncConnection) -> None:
+        self.conn = conn
+        self.dialect = conn.dialect
+        self.pg = self.dialect.name == "postgresql"
+        self.inline = inline_sqlite(conn)
+        self.adapt = None if self.inline is not None else _asyncpg(conn)
+
+    @property
+    def direct(self) -> bool:
+        """Whether it runs driver statements without SQLAlchemy (see `_core_rows`)."""
+        return self.inline is not None or self.adapt is not None
+
+    async def rows(self, sql: str, args: Sequence[Any]) -> Sequence[Any]:
+        """The rows of a driver statement (`_driver_rows`)."""
+        if self.inline is not None:
+            try:
+                return await sqlite_inline.fetch_all(self.inline, sql, args)
+            except sqlite3.Error as e:
+                raise _sqlite_error(sql, args, e) from e
+        conn = self.conn
+        if self.adapt is None:
+            return (await conn.exec_driver_sql(sql, tuple(args))).all()
+        try:
+            return await pg_direct.fetch_all(self.adapt, sql, args, _schema_stamp(conn))
+        except Exception as e:
+            await _pg_failed(conn, self.adapt, sql, args, e)
 
 
 #: where a read's statements run: an ORM session (its current transaction's connection), or a
-#: connection of its own (`Database.polled`: the polled reads on the inline SQLite driver)
-Target = AsyncSession | AsyncConnection
+#: connection's driver (`Database.polled`: the polled reads on a kept inline SQLite connection)
+Target = AsyncSession | Driver
 
 
-async def _conn_of(target: Target) -> AsyncConnection:
-    """The connection a read's driver statements run on (`_connection` of a session)."""
-    if isinstance(target, AsyncConnection):
+async def _driver_of(target: Target) -> Driver:
+    """The driver a read's statements run on (a session's: its current connection's)."""
+    if isinstance(target, Driver):
         return target
-    return await _connection(target)
+    return (await _held(target))[2]
 
 
 class _Sql:
@@ -136,7 +175,7 @@ class _Sql:
     no bound value is coerced one by one: in process on a 10k-question pool, the metadata of 64
     questions' trajectories 6.8 -> 6.1 ms of CPU, the prompts of 192 questions 1.69 -> 1.22."""
 
-    def __init__(self, conn: AsyncConnection) -> None:
+    def __init__(self, conn: AsyncConnection | Driver) -> None:
         self.pg = conn.dialect.name == "postgresql"
         self.args: list[Any] = []
 
@@ -172,19 +211,7 @@ async def _driver_rows(conn: AsyncConnection, sql: str, args: Sequence[Any]) -> 
     cost ~0.1 ms more and a read of ~400 trajectories ~0.8 ms more (its execution context, the
     greenlet hops, a Row per row), 5-8% of a plan's or a selection's CPU; on Postgres on asyncpg
     (`pg_direct`). Its errors are SQLAlchemy's all the same."""
-    inline = inline_sqlite(conn)
-    if inline is None:
-        adapt = _asyncpg(conn)
-        if adapt is None:
-            return (await conn.exec_driver_sql(sql, tuple(args))).all()
-        try:
-            return await pg_direct.fetch_all(adapt, sql, args, _schema_stamp(conn))
-        except Exception as e:
-            await _pg_failed(conn, adapt, sql, args, e)
-    try:
-        return await sqlite_inline.fetch_all(inline, sql, args)
-    except sqlite3.Error as e:
-        raise _sqlite_error(sql, args, e) from e
+    return await Driver(conn).rows(sql, args)
 
 
 def _sqlite_error(sql: str, args: Sequence[Any], error: sqlite3.Error) -> StatementError:
@@ -287,7 +314,7 @@ def _bind_processors(
 
 
 def _bound(
-    conn: AsyncConnection, table: Any, names: Sequence[str]
+    conn: AsyncConnection | Driver, table: Any, names: Sequence[str]
 ) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
     """A row's values (in the order of `names`) as SQLAlchemy would bind them to its columns (a
     timestamp as SQLite's text, a JSON value as its text), for a driver statement. A timestamp is
@@ -411,12 +438,12 @@ async def _core_rows(session: Target, stmt: Any, params: dict[str, Any]) -> Sequ
     path's SQLite connections, asyncpg on Postgres) compiled once and run as one (through
     SQLAlchemy a small statement cost ~0.1-0.2 ms more: the session's execution, its context,
     the greenlet hops, a Row per row); else, or where SQLAlchemy must run it, through the
-    session (or the connection given)."""
-    conn = await _conn_of(session)
-    compiled = _compiled_once(stmt, conn.dialect, None) if _direct(conn) else None
+    session (or the driver's connection)."""
+    d = await _driver_of(session)
+    compiled = _compiled_once(stmt, d.dialect, None) if d.direct else None
     if compiled is None:
-        return (await session.execute(stmt, params)).all()
-    return compiled.rows(await _driver_rows(conn, compiled.sql, compiled.args(params)))
+        return (await (d.conn if isinstance(session, Driver) else session).execute(stmt, params)).all()
+    return compiled.rows(await d.rows(compiled.sql, compiled.args(params)))
 
 
 async def _core_write(
@@ -632,7 +659,8 @@ def _as_is(value: Any) -> Any:
 
 
 async def pool_exists(session: Target, name: str) -> bool:
-    return (await session.scalar(select(_pool_t.c.id).where(_pool_t.c.name == name))) is not None
+    runner = session.conn if isinstance(session, Driver) else session
+    return (await runner.scalar(select(_pool_t.c.id).where(_pool_t.c.name == name))) is not None
 
 
 async def update_run(session: AsyncSession, run_id: int, values: dict[str, Any]) -> None:
@@ -1173,14 +1201,14 @@ async def state_counts(session: Target, scopes: Sequence[int]) -> dict[int, tupl
     out: dict[int, tuple[dict[int, int], int, int]] = {}
     if not scopes:
         return out
-    conn = await _conn_of(session)
-    q = _Sql(conn)
+    d = await _driver_of(session)
+    q = _Sql(d)
     sql = (
         f"SELECT scope, bucket, retired, sum(n) FROM state_tally WHERE scope {q.ids(sorted(set(scopes)))} "
         "GROUP BY scope, bucket, retired"
     )
     counts: dict[int, list[Any]] = {sc: [{}, 0, 0] for sc in scopes}
-    for scope, bucket, is_retired, total in await _driver_rows(conn, sql, q.args):
+    for scope, bucket, is_retired, total in await d.rows(sql, q.args):
         n = int(total)
         if n == 0:
             continue
@@ -1599,12 +1627,12 @@ async def run_trajectory_counts(
     if not run_ids:
         return out
     ids = sorted(set(run_ids))
-    conn = await _conn_of(session)
-    inline = inline_sqlite(conn)
-    q = _Sql(conn)
+    d = await _driver_of(session)
+    inline = d.inline
+    q = _Sql(d)
     first, lo, hi, sign = _boundary(since)
     if not q.pg:  # SQLite compares times as its column's text
-        lo, hi = _bound(conn, _traj_t, ("created_at", "created_at"))((lo, hi))
+        lo, hi = _bound(d, _traj_t, ("created_at", "created_at"))((lo, hi))
     sql = (
         f"SELECT 0, run_id, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
         f"AND run_id {q.ids(ids)} GROUP BY run_id UNION ALL "
@@ -1616,7 +1644,7 @@ async def run_trajectory_counts(
             f" UNION ALL SELECT 2, source_run_id, count(*) FROM trajectory WHERE source_run_id "
             f"{q.ids(ids)} AND created_at >= {q.arg(lo)} AND created_at < {q.arg(hi)} GROUP BY source_run_id"
         )
-        rows = list(await _driver_rows(conn, sql, q.args))
+        rows = list(await d.rows(sql, q.args))
     else:
         # a count per run over its part of the (run, created) index: with `IN (...) GROUP BY`
         # SQLite takes ~2.3x as long (1.4 against 0.62 ms for 34k entries)
@@ -1625,7 +1653,7 @@ async def run_trajectory_counts(
             f"source_run_id = {q.arg(r)} AND created_at >= {q.arg(lo)} AND created_at < {q.arg(hi)})"
             for r in ids
         )
-        statement = (conn.engine.url.database, tuple(ids))
+        statement = (d.conn.engine.url.database, tuple(ids))
         found: list[Any] | None = None
         try:
             if statement not in _COUNTED_OFF_LOOP:
@@ -1681,8 +1709,8 @@ async def last_replay_counts(session: Target, run_ids: Sequence[int]) -> dict[in
     themselves (~6 KB each) are neither sent nor parsed."""
     if not run_ids:
         return {}
-    conn = await _conn_of(session)
-    q = _Sql(conn)
+    d = await _driver_of(session)
+    q = _Sql(d)
     replayed = "jsonb_array_length(b.plan -> 'replay')" if q.pg else "json_array_length(b.plan, '$.replay')"
     # each run's batches from its newest step down (the (run, step) index backwards) to the first
     # committed one: a run's last batch or the one before it, however many steps it has made
@@ -1690,7 +1718,7 @@ async def last_replay_counts(session: Target, run_ids: Sequence[int]) -> dict[in
         f"SELECT r.id, (SELECT {replayed} FROM batch b WHERE b.run_id = r.id AND b.status = 'committed' "
         f"ORDER BY b.step DESC LIMIT 1) FROM run r WHERE r.id {q.ids(sorted(set(run_ids)))}"
     )
-    return {int(run_id): int(n or 0) for run_id, n in await _driver_rows(conn, sql, q.args)}
+    return {int(run_id): int(n or 0) for run_id, n in await d.rows(sql, q.args)}
 
 
 # ------------------------------------------------------------------------------------- tasks
