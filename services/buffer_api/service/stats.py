@@ -53,8 +53,9 @@ async def runs_stats(
         hist, retired, seen = states[scopes[run.id]]
         total, recent = trajectories[run.id]
         eligible = sum(hist.values())
-        ctx.metrics.run_eligible.labels(pool.name, run.name).set(eligible)
-        ctx.metrics.run_retired.labels(pool.name, run.name).set(retired)
+        eligible_gauge, retired_gauge = ctx.metrics.run_gauges(pool.name, run.name)
+        eligible_gauge.set(eligible)
+        retired_gauge.set(retired)
         out.append(
             {
                 "run": run.name,

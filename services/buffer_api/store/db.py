@@ -7,10 +7,11 @@ import contextlib
 import logging
 import sqlite3
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 
 from alembic import command
 from alembic.config import Config as AlembicConfig
@@ -234,19 +235,15 @@ class Database:
         self.on_group: Callable[[int], None] | None = None
 
     @staticmethod
-    @contextlib.contextmanager
-    def hot() -> Iterator[None]:
+    def hot() -> contextlib.AbstractContextManager[None]:
         """The task's `write()`, `read()` and `transaction()` are on the hot path (plan, commit,
         ingest, select, tasks, and the polled reads of bounded work: a run's and the pool's stats,
         a page of questions): with the inline SQLite driver they call SQLite from the event loop,
         and on Postgres their reads outside a transaction are autocommit (`hot_reads`).
         Everything else (listings, imports, exports, deletes: reads and writes that may take long)
-        keeps the thread driver and never holds up the loop."""
-        token = _hot.set(True)
-        try:
-            yield
-        finally:
-            _hot.reset(token)
+        keeps the thread driver and never holds up the loop. (A class, not a generator: entered on
+        every hot request, a generator's context manager cost ~1.5 us more.)"""
+        return _HotPath()
 
     def _sessions(self, *, read: bool = False) -> async_sessionmaker[AsyncSession]:
         """The sessions of a `write()` or (`read`) a `read()` outside a joined transaction."""
@@ -453,43 +450,21 @@ class Database:
                     # wait for): awaited itself, without a shielded task (~70 us, two loop turns)
                     await session.close()
 
-    @contextlib.asynccontextmanager
-    async def polled(self) -> AsyncIterator[AsyncSession | repo.Driver]:
+    def polled(self) -> contextlib.AbstractAsyncContextManager[AsyncSession | repo.Driver]:
         """Where a polled read (a run's stats, the pool's stats) runs its statements: on the hot
         path's SQLite connections (the inline driver) a connection of its own, kept for the next
         one (up to `WARM_READS` of them) with its driver found once (`repo.Driver`), without an
-        ORM session; anywhere else, and inside a
-        joined transaction, `read()`'s session. The repository's functions of these reads take
-        either (`repo.Target`). A warm session's bookkeeping (taking it and keeping it again, its
-        connection looked up per statement, its objects let go) cost a run's stats ~55 us of the
-        ~120 us of its service call (in process, 10k questions; the statements themselves ~45).
+        ORM session; anywhere else, and inside a joined transaction, `read()`'s session. The
+        repository's functions of these reads take either (`repo.Target`). In process on the 10k
+        pool a run's stats cost the service call ~120 us of CPU in a warm session and ~84 us so
+        (the floor's whole read ~47): the session's bookkeeping (taking it and keeping it again,
+        its connection and driver looked up per statement, its objects let go) is not done.
         The statements are autocommit reads, as in a warm session: `sqlite3` opens no transaction
         for a SELECT, so a kept connection holds no snapshot and no lock. A connection is kept
         only when its block ended normally with no transaction open on it, in SQLAlchemy (a
         statement SQLAlchemy ran itself begins one: a 404's lookup) or in `sqlite3`; any other is
         closed, given back to the engine's pool."""
-        if self.hot_engine is None or not _hot.get() or self._joined() is not None:
-            async with self.read() as session:
-                yield session
-            return
-        reader = self._readers.pop() if self._readers else None
-        if reader is None or reader.conn.closed or reader.conn.invalidated:
-            reader = repo.Driver(await self.hot_engine.connect())
-        kept = False
-        try:
-            yield reader
-            raw = reader.inline
-            if (
-                raw is not None
-                and not raw.in_transaction
-                and not reader.conn.in_transaction()
-                and len(self._readers) < WARM_READS
-            ):
-                self._readers.append(reader)
-                kept = True
-        finally:
-            if not kept:
-                await reader.conn.close()
+        return _Polled(self)
 
     @contextlib.asynccontextmanager
     async def transaction(self, group: Hashable | None = None) -> AsyncIterator[AsyncSession]:
@@ -639,6 +614,60 @@ class Database:
         if self.hot_engine is not None:
             await self.hot_engine.dispose()
         await self.engine.dispose()
+
+
+class _HotPath:
+    """`Database.hot()`'s context."""
+
+    __slots__ = ("token",)
+
+    def __enter__(self) -> None:
+        self.token = _hot.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        _hot.reset(self.token)
+
+
+class _Polled:
+    """`Database.polled()`'s context."""
+
+    __slots__ = ("db", "fallback", "reader")
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.fallback: contextlib.AbstractAsyncContextManager[AsyncSession] | None = None
+        self.reader: repo.Driver | None = None
+
+    async def __aenter__(self) -> AsyncSession | repo.Driver:
+        db = self.db
+        if db.hot_engine is None or not _hot.get() or db._joined() is not None:
+            self.fallback = db.read()
+            return await self.fallback.__aenter__()
+        reader = db._readers.pop() if db._readers else None
+        if reader is None or reader.conn.closed or reader.conn.invalidated:
+            reader = repo.Driver(await db.hot_engine.connect())
+        self.reader = reader
+        return reader
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.fallback is not None:
+            await self.fallback.__aexit__(kind, exc, tb)
+            return
+        reader, readers = self.reader, self.db._readers
+        assert reader is not None
+        raw = reader.inline
+        if (
+            kind is None
+            and raw is not None
+            and not raw.in_transaction
+            and not reader.conn.in_transaction()
+            and len(readers) < WARM_READS
+        ):
+            readers.append(reader)
+        else:
+            await reader.conn.close()
 
 
 def _changed(session: AsyncSession) -> bool:
