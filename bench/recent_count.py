@@ -99,7 +99,7 @@ async def _service_statement(db: Database, pool: int, run: int, since: datetime)
     """The statement `repo.run_trajectory_counts` runs for a run's stats, and its arguments."""
     seen: list[tuple[str, list[Any]]] = []
     spied_on = [
-        (repo, "_driver_rows"),
+        (repo.Driver, "rows"),
         (sqlite_inline, "fetch_all_within"),
         (sqlite_inline, "fetch_all_off_loop"),
     ]

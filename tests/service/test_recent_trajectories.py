@@ -270,7 +270,7 @@ async def test_the_count_does_no_more_for_a_run_that_ingested_more(
         return spied
 
     for module, name in (
-        (repo, "_driver_rows"),
+        (repo.Driver, "rows"),
         (sqlite_inline, "fetch_all_within"),
         (sqlite_inline, "fetch_all_off_loop"),
     ):

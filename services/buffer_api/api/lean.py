@@ -41,9 +41,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic_core import PydanticUndefined
+from starlette.convertors import FloatConvertor, IntegerConvertor, StringConvertor, UUIDConvertor
 from starlette.datastructures import Headers, ImmutableMultiDict
 from starlette.exceptions import HTTPException
-from starlette.routing import Match
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from exgrpo_pool import jsonread
@@ -54,6 +55,8 @@ _LEAN = "__exgrpo_lean__"
 #: where a parameter is read from (`_Step.readers`): the path, the query string, the headers
 _PATH, _QUERY, _HEADER = 0, 1, 2
 _UNREAD = object()
+#: the path convertors whose values never hold a "/" (`_shape`)
+_ONE_SEGMENT = (StringConvertor, IntegerConvertor, FloatConvertor, UUIDConvertor)
 
 
 def lean(endpoint: F) -> F:
@@ -341,11 +344,12 @@ class DirectRoutes:
 
     def __init__(self, app: ASGIApp, owner: FastAPI) -> None:
         self.app, self.owner = app, owner
+        self.shapes = _RouteShapes()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         owner = self.owner
         if scope["type"] == "http" and not owner.dependency_overrides and "fastapi.telemetry" not in scope:
-            for route in owner.router.routes:
+            for route in self.shapes.candidates(owner.router.routes, scope):
                 match, child = route.matches(scope)
                 if match is Match.NONE:
                     continue
@@ -390,3 +394,57 @@ class DirectRoutes:
                 found: Callable[..., Any] = handlers[cls]
                 return found
         return None
+
+
+class _RouteShapes:
+    """The routes a request's path can match, in the router's order, found by the path's shape:
+    its number of segments and its last segment. A route whose parameters each match within one
+    segment (any convertor but `path`) matches only paths of its own number of segments, and of
+    its own last segment where that is literal; any other route (a `path` parameter, a mount, a
+    host) may match anything and stays on every list. `DirectRoutes` still asks each candidate's
+    `matches`, so the answer is the router's; it asks one route or two instead of each route
+    before the one that matches (a run's stats: five routes, ~5 us)."""
+
+    def __init__(self) -> None:
+        self._of: tuple[int, int] | None = None
+        self._routes: Sequence[Any] = ()
+        #: per route: (segments, literal last segment or None), or None for any path
+        self._shapes: list[tuple[int, str | None] | None] = []
+        self._literal: set[tuple[int, str]] = set()
+        self._lists: dict[tuple[int, str | None], list[Any]] = {}
+
+    def candidates(self, routes: Sequence[Any], scope: Scope) -> Sequence[Any]:
+        if scope.get("root_path"):  # matched against the path below it: every route, as the router
+            return routes
+        if self._of != (id(routes), len(routes)):
+            self._index(routes)
+        path: str = scope["path"]
+        n = path.count("/")
+        last = path[path.rfind("/") + 1 :]
+        key = (n, last if (n, last) in self._literal else None)
+        found = self._lists.get(key)
+        if found is None:
+            found = self._lists[key] = [
+                r
+                for r, shape in zip(self._routes, self._shapes, strict=True)
+                if shape is None or (shape[0] == n and shape[1] in (None, key[1]))
+            ]
+        return found
+
+    def _index(self, routes: Sequence[Any]) -> None:
+        self._of, self._routes = (id(routes), len(routes)), list(routes)
+        self._shapes = [_shape(r) for r in self._routes]
+        self._literal = {(s[0], s[1]) for s in self._shapes if s is not None and s[1] is not None}
+        self._lists = {}
+
+
+def _shape(route: Any) -> tuple[int, str | None] | None:
+    """(segments, literal last segment or None) of a plain route whose parameters each match
+    within a segment; None for any other route."""
+    if not isinstance(route, Route) or not all(
+        isinstance(c, _ONE_SEGMENT) for c in route.param_convertors.values()
+    ):
+        return None
+    path = route.path
+    last = path[path.rfind("/") + 1 :]
+    return path.count("/"), None if "{" in last else last
