@@ -514,6 +514,8 @@ class Options:
     warmup: int
     select_iterations: int
     ingest_requests: int
+    #: floor mode: the polled reads measured per size, each kind (`--read-iterations`)
+    read_iterations: int
     ingest_groups: int
     ingest_concurrency: int
     epoch_starts: int
@@ -762,7 +764,7 @@ async def against_floor(server: Server, floor: Server, opts: Options, combo: Com
         # the reads dashboards and the mix's readers poll (JSON answers whatever the encoding:
         # listed under the last one), each to the service and then to the floor
         answers: dict[str, dict[str, bytes]] = {}
-        for i in range(opts.warmup + opts.select_iterations):
+        for i in range(opts.warmup + opts.read_iterations):
             for what, path in FLOOR_READS.items():
                 for side in sides:
                     r, smp = await timed_get(apis[side], path.format(prefix=prefix, run=_seed.RUN_NAME))
@@ -1637,6 +1639,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sizes", default="10000,100000,1000000", help="comma list of pool sizes (questions)")
     ap.add_argument("--iterations", type=int, default=None, help="plan+commit steps measured per size (60)")
     ap.add_argument("--select-iterations", type=int, default=None, help="select calls measured per size (60)")
+    ap.add_argument(
+        "--read-iterations",
+        type=int,
+        default=None,
+        help="with --floor: each polled read (run stats, pool stats, a page) measured per size "
+        "(4x --select-iterations: ~1-2 ms requests whose p50 over 30 samples moved by ~0.05 of a ratio)",
+    )
     ap.add_argument("--quick", action="store_true", help="10k questions only, few iterations (~1-2 min)")
     ap.add_argument("--candidates", default="all", choices=["all", "lowest_stored_entropy", "none"])
     ap.add_argument(
@@ -1762,6 +1771,7 @@ def main(argv: list[str] | None = None) -> int:
         iterations=args.iterations or (15 if quick else 60),
         warmup=2 if quick else 3,
         select_iterations=args.select_iterations or (15 if quick else 60),
+        read_iterations=args.read_iterations or 4 * (args.select_iterations or (15 if quick else 60)),
         ingest_requests=args.ingest_requests or (8 if quick else 40),
         ingest_groups=32,
         ingest_concurrency=args.ingest_concurrency,
