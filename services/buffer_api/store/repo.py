@@ -154,6 +154,21 @@ class Driver:
         except Exception as e:
             await _pg_failed(conn, self.adapt, sql, args, e)
 
+    async def write(self, sql: str, args: Sequence[Any], *, many: bool = False) -> int:
+        """Run a driver statement that returns no rows (`_driver_write`); the rows it changed."""
+        if self.inline is not None:
+            try:
+                return await sqlite_inline.execute(self.inline, sql, args, many=many)
+            except sqlite3.Error as e:
+                raise _sqlite_error(sql, args, e) from e
+        conn = self.conn
+        if self.adapt is None:
+            return int((await conn.exec_driver_sql(sql, list(args) if many else tuple(args))).rowcount)
+        try:
+            return await pg_direct.execute(self.adapt, sql, args, _schema_stamp(conn), many=many)
+        except Exception as e:
+            await _pg_failed(conn, self.adapt, sql, args, e)
+
 
 #: where a read's statements run: an ORM session (its current transaction's connection), or a
 #: connection's driver (`Database.polled`: the polled reads on a kept inline SQLite connection)
@@ -255,16 +270,14 @@ def held_idle(session: AsyncSession) -> bool | None:
     held = session.info.get("exgrpo_connection")
     if held is None or held[0] is not _innermost(session):
         return None
-    conn = held[1]
+    conn, driver = held[1], held[2]
     if conn.closed:
         return False
-    raw = inline_sqlite(conn)
-    if raw is not None:
-        return not raw.in_transaction
-    adapt = _asyncpg(conn)
-    if adapt is None:
+    if driver.inline is not None:
+        return not driver.inline.in_transaction
+    if driver.adapt is None:
         return None
-    pg = adapt._connection
+    pg = driver.adapt._connection
     return not pg.is_closed() and not pg.is_in_transaction()
 
 
@@ -344,19 +357,7 @@ async def _driver_write(conn: AsyncConnection, sql: str, args: Sequence[Any], *,
     """Run a driver statement that returns no rows (`many`: once per parameter set in `args`);
     the rows it changed. On the hot path's SQLite connections straight on `sqlite3`, as
     `_driver_rows` reads, with SQLAlchemy's errors all the same."""
-    inline = inline_sqlite(conn)
-    if inline is None:
-        adapt = _asyncpg(conn)
-        if adapt is None:
-            return int((await conn.exec_driver_sql(sql, list(args) if many else tuple(args))).rowcount)
-        try:
-            return await pg_direct.execute(adapt, sql, args, _schema_stamp(conn), many=many)
-        except Exception as e:
-            await _pg_failed(conn, adapt, sql, args, e)
-    try:
-        return await sqlite_inline.execute(inline, sql, args, many=many)
-    except sqlite3.Error as e:
-        raise _sqlite_error(sql, args, e) from e
+    return await Driver(conn).write(sql, args, many=many)
 
 
 class _Compiled(NamedTuple):
@@ -426,15 +427,9 @@ def _compiled_once(stmt: Any, dialect: Any, keys: tuple[str, ...] | None) -> _Co
     )
 
 
-def _direct(conn: AsyncConnection) -> bool:
-    """Whether `conn` runs driver statements without SQLAlchemy (`_driver_rows`, `_driver_write`):
-    the hot path's SQLite connections, or Postgres through an adapter `pg_direct` can use."""
-    return inline_sqlite(conn) is not None or _asyncpg(conn) is not None
-
-
 async def _core_rows(session: Target, stmt: Any, params: dict[str, Any]) -> Sequence[Any]:
     """The rows of a Core statement built once (cached), as tuples of the values SQLAlchemy
-    gives. Where the connection runs driver statements itself (`_direct`: `sqlite3` on the hot
+    gives. Where the connection runs driver statements itself (`Driver.direct`: `sqlite3` on the hot
     path's SQLite connections, asyncpg on Postgres) compiled once and run as one (through
     SQLAlchemy a small statement cost ~0.1-0.2 ms more: the session's execution, its context,
     the greenlet hops, a Row per row); else, or where SQLAlchemy must run it, through the
@@ -451,12 +446,12 @@ async def _core_write(
 ) -> None:
     """Run a Core INSERT or UPDATE built once (cached) that sets the columns `keys` from
     `params` (its other parameters: its own bound names), as `_core_rows` runs a read."""
-    conn = await _connection(session)
-    compiled = _compiled_once(stmt, conn.dialect, keys) if _direct(conn) else None
+    d = await _driver_of(session)
+    compiled = _compiled_once(stmt, d.dialect, keys) if d.direct else None
     if compiled is None:
         await session.execute(stmt, params)
         return
-    await _driver_write(conn, compiled.sql, compiled.args(params))
+    await d.write(compiled.sql, compiled.args(params))
 
 
 @functools.cache
