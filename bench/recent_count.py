@@ -96,7 +96,8 @@ async def _store(db: Database, pool: int, run: int, qids: list[int], n: int) -> 
 
 
 async def _service_statement(db: Database, pool: int, run: int, since: datetime) -> tuple[str, list[Any]]:
-    """The statement `repo.run_trajectory_counts` runs for a run's stats, and its arguments."""
+    """The statement `repo.stats_counts` runs for a run's stats (without its last replays; with
+    the run's state tally cells, which the statement before did not read), and its arguments."""
     seen: list[tuple[str, list[Any]]] = []
     spied_on = [
         (repo.Driver, "rows"),
@@ -117,7 +118,7 @@ async def _service_statement(db: Database, pool: int, run: int, since: datetime)
         setattr(module, name, spying(read))
     try:
         async with db.hot_sessions() as session:
-            await repo.run_trajectory_counts(session, pool, [run], since)
+            await repo.stats_counts(session, pool, {run: run}, since, replays=False)
     finally:
         for (module, name), read in zip(spied_on, kept, strict=True):
             setattr(module, name, read)
@@ -164,7 +165,7 @@ async def measure(args: argparse.Namespace) -> list[tuple[int, dict[str, tuple[f
                     async with db.transaction() as session:
                         await repo.fold_tallies(session)
                     since = datetime.now(UTC) - timedelta(minutes=5)
-                    # the service's statement, as `run_trajectory_counts` runs it
+                    # the service's statement, as `stats_counts` runs it
                     now_statement = await _service_statement(db, pool, run, since)
                     if pg:
                         await conn.execute("ANALYZE trajectory_tally")

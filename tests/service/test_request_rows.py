@@ -213,8 +213,9 @@ async def test_pool_stats_read_every_run_in_the_same_statements(backend: Backend
             ok(await commit_batch(client, plan, make_groups(plan, half)))
         with _statements() as seen:
             four = ok(await client.get("/v1/pools/p1/stats"))
-        # the pool with its totals, runs, states, trajectory counts, last batches' replay counts
-        assert len(seen) == alone == 5, (alone, seen)
+        # the pool with its totals, its runs, and their states, trajectory counts and last batches'
+        # replay counts in one statement
+        assert len(seen) == alone == 3, (alone, seen)
         assert [r["run"] for r in four["runs"]] == ["r1", "r2", "r3", "r4"]
         assert four["runs"][0]["replayed_last_step"] == one["runs"][0]["replayed_last_step"]
         for part in four["runs"]:
@@ -250,10 +251,10 @@ async def test_the_polled_reads_run_on_the_drivers_directly(backend: Backend) ->
                 answers[name] = ok(await client.get(path))
             counts[name], through_sqlalchemy[name] = len(seen), seen.through_sqlalchemy
             on_asyncpg[name] = len(seen.on_asyncpg)
-    # run stats: pool and run, states, trajectory counts, last batch's replays; pool stats: pool
-    # with its totals, runs, states, trajectory counts, last batches' replays; questions: the page
-    # with its pool, and where it is empty, whether the pool exists
-    assert counts == {"run stats": 4, "pool stats": 5, "questions": 1, "questions past the end": 2}, counts
+    # run stats: pool and run, then its states, trajectory counts and last batch's replays in one
+    # statement; pool stats: pool with its totals, runs, then their counts in one statement;
+    # questions: the page with its pool, and where it is empty, whether the pool exists
+    assert counts == {"run stats": 2, "pool stats": 3, "questions": 1, "questions past the end": 2}, counts
     assert through_sqlalchemy == {name: [] for name in counts}, through_sqlalchemy
     assert on_asyncpg == (counts if pg else dict.fromkeys(counts, 0)), on_asyncpg
     stats = answers["run stats"]

@@ -1,5 +1,5 @@
-"""Stats read tallies, not the pool (migration 0010): the statements of pool totals, a run's state
-histogram and trajectory counts, and a pool's question count touch no question, state or
+"""Stats read tallies, not the pool (migration 0010): the statements of pool totals, runs' state
+histograms and trajectory counts (one statement), and a pool's question count touch no question, state or
 trajectory row, except a run's trajectories of part of the ten-second period the last five minutes
 begin in (through the (run, created) index, between two times; the whole periods from the
 trajectory tally, migration 0015). Counting rows there took 160-240 ms at 1M questions."""
@@ -48,8 +48,8 @@ def _statements(url: str) -> list[str]:
             await repo.pool_totals(session, 1)
             await repo.pool_tokens(session, 1)
             await repo.count_questions(session, 1)
-            await repo.state_counts(session, [1, -1])
-            await repo.run_trajectory_counts(session, 1, [1, 2], datetime(2026, 1, 1, tzinfo=UTC))
+            # two runs, one of each state scope (its own, the pool's)
+            await repo.stats_counts(session, 1, {1: 1, 2: -1}, datetime(2026, 1, 1, tzinfo=UTC))
         await engine.dispose()
 
     asyncio.run(main())
@@ -71,7 +71,7 @@ def test_stats_read_no_counted_rows(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}"
     dbmod.upgrade(url)
     sqls = _statements(url)
-    assert len(sqls) == 5, sqls
+    assert len(sqls) == 4, sqls
     plans = _plans(url, sqls)
     for sql, plan in zip(sqls, plans, strict=True):
         assert _reads_counted_rows(plan) == [], (sql, plan)

@@ -32,8 +32,8 @@ async def runs_stats(
     *,
     replayed: int | None = None,
 ) -> list[dict[str, Any]]:
-    """The stats of runs of one pool, in the runs' order, with a statement per kind of count
-    whatever the number of runs. `replayed`: the replay count of the one run given's last
+    """The stats of runs of one pool, in the runs' order, their counts in one statement whatever
+    the number of runs (`repo.stats_counts`). `replayed`: the replay count of the one run given's last
     committed batch (else read from the stored plans).
 
     Each run's as plain values, the fields of `s.RunStats` in its order: the polled GET routes
@@ -41,17 +41,14 @@ async def runs_stats(
     a model and its buckets' on every poll, ~15 us of a ~0.25 ms read; `tests/service/
     test_stats_answers.py`), a commit's answer validates them into the model."""
     scopes = {run.id: scope_of(pool, run) for run in runs}
-    states = await repo.state_counts(session, list(scopes.values()))
-    ids = [run.id for run in runs]
-    trajectories = await repo.run_trajectory_counts(session, pool.id, ids, utcnow() - timedelta(minutes=5))
-    if replayed is not None:
-        counts = {runs[0].id: replayed}
-    else:
-        counts = await repo.last_replay_counts(session, ids)
+    counts = await repo.stats_counts(
+        session, pool.id, scopes, utcnow() - timedelta(minutes=5), replays=replayed is None
+    )
+    replays = {runs[0].id: replayed} if replayed is not None else counts.replayed
     out: list[dict[str, Any]] = []
     for run in runs:
-        hist, retired, seen = states[scopes[run.id]]
-        total, recent = trajectories[run.id]
+        hist, retired, seen = counts.states[scopes[run.id]]
+        total, recent = counts.trajectories[run.id]
         eligible = sum(hist.values())
         eligible_gauge, retired_gauge = ctx.metrics.run_gauges(pool.name, run.name)
         eligible_gauge.set(eligible)
@@ -68,7 +65,7 @@ async def runs_stats(
                 "retired": retired,
                 "seen": seen,
                 "trajectories": total,
-                "replayed_last_step": counts.get(run.id, 0),
+                "replayed_last_step": replays.get(run.id, 0),
                 "ingest_per_minute": recent / 5.0,
             }
         )

@@ -1191,31 +1191,6 @@ async def retired_ids(session: AsyncSession, scope: int) -> np.ndarray:
     return np.fromiter((r[0] for r in await session.execute(stmt)), dtype=np.int64)
 
 
-async def state_counts(session: Target, scopes: Sequence[int]) -> dict[int, tuple[dict[int, int], int, int]]:
-    """Per scope: (bucket histogram of eligible questions, retired, seen), from the state tally."""
-    out: dict[int, tuple[dict[int, int], int, int]] = {}
-    if not scopes:
-        return out
-    d = await _driver_of(session)
-    q = _Sql(d)
-    sql = (
-        f"SELECT scope, bucket, retired, sum(n) FROM state_tally WHERE scope {q.ids(sorted(set(scopes)))} "
-        "GROUP BY scope, bucket, retired"
-    )
-    counts: dict[int, list[Any]] = {sc: [{}, 0, 0] for sc in scopes}
-    for scope, bucket, is_retired, total in await d.rows(sql, q.args):
-        n = int(total)
-        if n == 0:
-            continue
-        c = counts[int(scope)]
-        c[2] += n
-        if is_retired:
-            c[1] += n
-        elif bucket >= 0:
-            c[0][int(bucket)] = c[0].get(int(bucket), 0) + n
-    return {sc: (hist, retired, seen) for sc, (hist, retired, seen) in counts.items()}
-
-
 async def question_states(session: AsyncSession, qid: int) -> list[RunQuestion]:
     return list((await session.execute(select(RunQuestion).where(RunQuestion.question_id == qid))).scalars())
 
@@ -1580,14 +1555,17 @@ async def pool_trajectories(session: AsyncSession, pool_id: int, after: int, lim
 #: more is run again in a worker thread, so that the stats of a run ingesting fast (300k
 #: trajectories in five minutes at 1k/s: ~11 ms of counting) do not hold up every other request
 RECENT_ON_LOOP = 20_000
-#: SQLite's virtual machine steps of counting one index entry (~3.4), and a statement's own per
-#: run beside it (the run's tally cells, whole and recent, its index seek: ~95), as `tests/service/
-#: test_run_stats_counts.py` measures them: a statement's budget on the loop is `RECENT_ON_LOOP`
-#: entries of counting and its runs' own steps. Counted in steps, not with a `LIMIT` on each
-#: count: SQLite counts a limited subquery's rows one by one through a co-routine, ~45% slower
-#: per entry than its count over the index.
+#: SQLite's virtual machine steps of counting one index entry (~3.4), a statement's own per run
+#: beside it (the run's trajectory tally cells, whole and recent, its index seek, its state tally
+#: cells: ~140 with eight rollouts a question) and per run's last batch read (~30), as `tests/
+#: service/test_run_stats_counts.py` measures them: a statement's budget on the loop is
+#: `RECENT_ON_LOOP` entries of counting and its runs' own steps. (A run's state cells are one a
+#: bucket and retirement, at most ~2(k + 1) of them on SQLite, whose writers add to a cell's row.)
+#: Counted in steps, not with a `LIMIT` on each count: SQLite counts a limited subquery's rows one
+#: by one through a co-routine, ~45% slower per entry than its count over the index.
 STEPS_PER_ENTRY = 3
-STEPS_PER_RUN = 110
+STEPS_PER_RUN = 160
+STEPS_PER_REPLAY = 40
 
 #: (database, runs) of the stats statements whose last count went past `RECENT_ON_LOOP`: run in
 #: the worker thread at once (not on the loop up to the budget first, then again), until a count
@@ -1608,35 +1586,64 @@ def _boundary(since: datetime) -> tuple[int, datetime, datetime, int]:
     return first + 1, since, end, 1
 
 
-async def run_trajectory_counts(
-    session: Target, pool_id: int, run_ids: Sequence[int], since: datetime
-) -> dict[int, tuple[int, int]]:
-    """Per run of the pool: (trajectories the run stored, of which since `since`): the total from
-    the trajectory tally, the recent ones from the tally's whole periods from `since`'s on, with
-    the rows of part of `since`'s period counted over the run's part of the (run, created) index
-    (`_boundary`: at most half a period's rows, whatever the run's ingest rate; every row of the
-    five minutes before migrations 0014 and 0015, 6-9 ms of Postgres, ~1.4 ms of SQLite, for a run
-    ingesting at full speed). SQLite counts that part on the loop within a budget (see
-    `RECENT_ON_LOOP`)."""
-    out = {r: (0, 0) for r in run_ids}
-    if not run_ids:
-        return out
-    ids = sorted(set(run_ids))
+class StatsCounts(NamedTuple):
+    """What a stats read counts for runs of one pool (`stats_counts`)."""
+
+    #: per state scope: (bucket histogram of eligible questions, retired, seen), from the state tally
+    states: dict[int, tuple[dict[int, int], int, int]]
+    #: per run: (trajectories it stored, of which since `since`)
+    trajectories: dict[int, tuple[int, int]]
+    #: per run: how many replayed questions its last committed batch had (0: none committed)
+    replayed: dict[int, int]
+
+
+async def stats_counts(
+    session: Target, pool_id: int, scopes: dict[int, int], since: datetime, *, replays: bool = True
+) -> StatsCounts:
+    """The counts of runs' stats (`scopes`: each run's state scope, by run id) in one statement:
+
+    * each scope's cells of the state tally;
+    * each run's trajectories: the total from the trajectory tally, the recent ones from the
+      tally's whole periods from `since`'s on, with the rows of part of `since`'s period counted
+      over the run's part of the (run, created) index (`_boundary`: at most half a period's rows,
+      whatever the run's ingest rate; every row of the five minutes before migrations 0014 and
+      0015, 6-9 ms of Postgres, ~1.4 ms of SQLite, for a run ingesting at full speed);
+    * with `replays`, each run's replays in its last committed batch, counted by the database in
+      the stored plan (its `replay` list): the plans themselves (~6 KB each) are neither sent nor
+      parsed. Each run's batches are read from its newest step down (the (run, step) index
+      backwards) to the first committed one, however many steps it has made.
+
+    One statement, not one per kind of count: a polled read's statements each cost a cursor, an
+    execution and their Python beside SQLite's own work, and a round trip on Postgres. SQLite
+    runs it on the loop within a budget (see `RECENT_ON_LOOP`)."""
+    ids = sorted(scopes)
+    if not ids:
+        return StatsCounts({}, {}, {})
     d = await _driver_of(session)
     inline = d.inline
     q = _Sql(d)
     first, lo, hi, sign = _boundary(since)
     if not q.pg:  # SQLite compares times as its column's text
         lo, hi = _bound(d, _traj_t, ("created_at", "created_at"))((lo, hi))
+    # five columns in every part: (kind, id, bucket, retired, count), NULL where a kind has none;
+    # the state tally's part first, whose columns give Postgres the types of the NULLs after it
     sql = (
-        f"SELECT 0, run_id, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
+        f"SELECT 3, scope, bucket, retired, sum(n) FROM state_tally WHERE scope "
+        f"{q.ids(sorted(set(scopes.values())))} GROUP BY scope, bucket, retired UNION ALL "
+        f"SELECT 0, run_id, NULL, NULL, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
         f"AND run_id {q.ids(ids)} GROUP BY run_id UNION ALL "
-        f"SELECT 1, run_id, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
+        f"SELECT 1, run_id, NULL, NULL, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
         f"AND run_id {q.ids(ids)} AND period >= {q.arg(first)} GROUP BY run_id"
     )
+    if replays:
+        length = "jsonb_array_length(b.plan -> 'replay')" if q.pg else "json_array_length(b.plan, '$.replay')"
+        sql += (
+            f" UNION ALL SELECT 4, r.id, NULL, NULL, (SELECT {length} FROM batch b WHERE b.run_id = r.id "
+            f"AND b.status = 'committed' ORDER BY b.step DESC LIMIT 1) FROM run r WHERE r.id {q.ids(ids)}"
+        )
     if inline is None:  # on Postgres's server, or SQLite's thread driver: off the loop anyway
         sql += (
-            f" UNION ALL SELECT 2, source_run_id, count(*) FROM trajectory WHERE source_run_id "
+            f" UNION ALL SELECT 2, source_run_id, NULL, NULL, count(*) FROM trajectory WHERE source_run_id "
             f"{q.ids(ids)} AND created_at >= {q.arg(lo)} AND created_at < {q.arg(hi)} GROUP BY source_run_id"
         )
         rows = list(await d.rows(sql, q.args))
@@ -1644,7 +1651,7 @@ async def run_trajectory_counts(
         # a count per run over its part of the (run, created) index: with `IN (...) GROUP BY`
         # SQLite takes ~2.3x as long (1.4 against 0.62 ms for 34k entries)
         sql += "".join(
-            f" UNION ALL SELECT 2, {q.arg(r)}, (SELECT count(*) FROM trajectory WHERE "
+            f" UNION ALL SELECT 2, {q.arg(r)}, NULL, NULL, (SELECT count(*) FROM trajectory WHERE "
             f"source_run_id = {q.arg(r)} AND created_at >= {q.arg(lo)} AND created_at < {q.arg(hi)})"
             for r in ids
         )
@@ -1652,29 +1659,46 @@ async def run_trajectory_counts(
         found: list[Any] | None = None
         try:
             if statement not in _COUNTED_OFF_LOOP:
-                steps = RECENT_ON_LOOP * STEPS_PER_ENTRY + STEPS_PER_RUN * len(ids)
+                own = STEPS_PER_RUN + (STEPS_PER_REPLAY if replays else 0)
+                steps = RECENT_ON_LOOP * STEPS_PER_ENTRY + own * len(ids)
                 found = await sqlite_inline.fetch_all_within(inline, sql, q.args, steps)
             if found is None:
                 found = await sqlite_inline.fetch_all_off_loop(inline, sql, q.args)
         except sqlite3.Error as e:
             raise _sqlite_error(sql, q.args, e) from e
         rows = found
-        if sum(int(n) for kind, _, n in rows if kind == 2) >= RECENT_ON_LOOP:
+        if sum(int(n) for kind, _, _, _, n in rows if kind == 2) >= RECENT_ON_LOOP:
             if len(_COUNTED_OFF_LOOP) >= 4096:  # statements of runs and pools long gone
                 _COUNTED_OFF_LOOP.clear()
             _COUNTED_OFF_LOOP.add(statement)
         else:
             _COUNTED_OFF_LOOP.discard(statement)
+    cells: dict[int, list[Any]] = {sc: [{}, 0, 0] for sc in scopes.values()}
     stored: dict[int, int] = {}
     lately: dict[int, int] = {}
-    for kind, run_id, n in rows:
-        if kind == 0:
-            stored[int(run_id)] = int(n)
+    replayed: dict[int, int] = {}
+    for kind, key, bucket, is_retired, total in rows:
+        n = int(total or 0)
+        if kind == 3:
+            if n == 0:
+                continue
+            c = cells[int(key)]
+            c[2] += n
+            if is_retired:
+                c[1] += n
+            elif bucket >= 0:
+                c[0][int(bucket)] = c[0].get(int(bucket), 0) + n
+        elif kind == 0:
+            stored[int(key)] = n
+        elif kind == 4:
+            replayed[int(key)] = n
         else:  # the part of the first period: added after `since`, subtracted before it
-            lately[int(run_id)] = lately.get(int(run_id), 0) + (sign * int(n or 0) if kind == 2 else int(n))
-    for run_id in ids:
-        out[run_id] = (stored.get(run_id, 0), lately.get(run_id, 0))
-    return out
+            lately[int(key)] = lately.get(int(key), 0) + (sign * n if kind == 2 else n)
+    return StatsCounts(
+        states={sc: (hist, retired, seen) for sc, (hist, retired, seen) in cells.items()},
+        trajectories={r: (stored.get(r, 0), lately.get(r, 0)) for r in ids},
+        replayed=replayed,
+    )
 
 
 # ----------------------------------------------------------------------------------- batches
@@ -1696,24 +1720,6 @@ _OPEN_BATCH = (
 async def open_batch(session: AsyncSession, run_id: int, step: int) -> BatchRow | None:
     rows = await _core_rows(session, _OPEN_BATCH, {"run_id": run_id, "step": step})
     return BatchRow(*rows[0]) if rows else None
-
-
-async def last_replay_counts(session: Target, run_ids: Sequence[int]) -> dict[int, int]:
-    """Per run: how many replayed questions its last committed batch had (0: none committed),
-    counted by the database in the stored plan (its `replay` list), in one query: the plans
-    themselves (~6 KB each) are neither sent nor parsed."""
-    if not run_ids:
-        return {}
-    d = await _driver_of(session)
-    q = _Sql(d)
-    replayed = "jsonb_array_length(b.plan -> 'replay')" if q.pg else "json_array_length(b.plan, '$.replay')"
-    # each run's batches from its newest step down (the (run, step) index backwards) to the first
-    # committed one: a run's last batch or the one before it, however many steps it has made
-    sql = (
-        f"SELECT r.id, (SELECT {replayed} FROM batch b WHERE b.run_id = r.id AND b.status = 'committed' "
-        f"ORDER BY b.step DESC LIMIT 1) FROM run r WHERE r.id {q.ids(sorted(set(run_ids)))}"
-    )
-    return {int(run_id): int(n or 0) for run_id, n in await d.rows(sql, q.args)}
 
 
 # ------------------------------------------------------------------------------------- tasks
