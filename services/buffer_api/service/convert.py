@@ -15,13 +15,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pybase64
+from pydantic import ConfigDict
 from pydantic_core import to_jsonable_python
 from sqlalchemy import Row
 
 from exgrpo_client import frames
 from exgrpo_client import schemas as s
 from exgrpo_client.schemas import packed_of, set_packed
-from exgrpo_pool import jsonwrite
+from exgrpo_pool import jsonread, jsonwrite
 from exgrpo_pool.domain import ExperienceRules, check_weights
 from exgrpo_pool.errors import BadRequest
 from exgrpo_pool.store.models import (
@@ -38,20 +39,45 @@ from exgrpo_pool.store.models import (
 )
 
 
+class _StoredPoolConfig(s.PoolConfig):
+    """A stored pool config as `pool_config` validates it once per distinct text: one instance
+    for every row of that text, so frozen (a change raises; `model_copy` makes a new one)."""
+
+    model_config = ConfigDict(frozen=True)
+
+
+class _StoredOverrides(s.RunOverrides):
+    """A stored run's overrides as `run_overrides` validates them once per distinct text (frozen:
+    shared, as `_StoredPoolConfig`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stored_config(text: str) -> s.PoolConfig:
+    return _StoredPoolConfig.model_validate(jsonread.loads(text), strict=False)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stored_overrides(text: str) -> s.RunOverrides:
+    return _StoredOverrides.model_validate(jsonread.loads(text), strict=False)
+
+
 def pool_config(pool: AnyPool) -> s.PoolConfig:
-    """The pool's config (a plain row validates its own once)."""
+    """The pool's config. A plain row's is validated from its stored text once per distinct
+    text in the process (frozen, shared by the rows of that text); an ORM row's each time."""
     if isinstance(pool, PoolRow):
         if pool.parsed is None:
-            pool.parsed = s.PoolConfig.model_validate(pool.config, strict=False)
+            pool.parsed = _stored_config(pool.config)
         return pool.parsed
     return s.PoolConfig.model_validate(pool.config, strict=False)
 
 
 def run_overrides(run: AnyRun) -> s.RunOverrides:
-    """The run's overrides (a plain row validates its own once)."""
+    """The run's overrides (a plain row's validated once per distinct text, as `pool_config`)."""
     if isinstance(run, RunRow):
         if run.parsed is None:
-            run.parsed = s.RunOverrides.model_validate(run.overrides, strict=False)
+            run.parsed = _stored_overrides(run.overrides)
         return run.parsed
     return s.RunOverrides.model_validate(run.overrides, strict=False)
 

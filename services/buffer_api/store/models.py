@@ -323,8 +323,9 @@ question_tally = Table(
 class PoolRow:
     id: int
     name: str
-    config: dict[str, Any]
-    #: `config` as validated (by `convert.pool_config`, once per request)
+    #: the config's JSON text as stored (Postgres: `jsonb::text`), validated by `convert.pool_config`
+    config: str
+    #: `config` as validated (by `convert.pool_config`: shared by every row of the same text)
     parsed: PoolConfig | None = None
 
 
@@ -340,10 +341,11 @@ class RunRow:
     policy_version: int
     epoch: int
     cursor: int
-    overrides: dict[str, Any]
+    #: the overrides' JSON text as stored (Postgres: `jsonb::text`), validated by `convert.run_overrides`
+    overrides: str
     created_at: datetime
     updated_at: datetime
-    #: `overrides` as validated (by `convert.run_overrides`, once per request)
+    #: `overrides` as validated (by `convert.run_overrides`: shared by every row of the same text)
     parsed: RunOverrides | None = None
 
 
