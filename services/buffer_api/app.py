@@ -23,7 +23,6 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 from sqlalchemy import text
-from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -222,11 +221,22 @@ class BodyLimit:
             return
         is_import = scope["path"].endswith("/pools/import")
         limit = self.import_limit if is_import else self.limit
-        length = dict(scope["headers"]).get(b"content-length")
+        length: bytes | None = None
+        streamed = False
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                length = value  # the last one, as a mapping of the headers reads it
+            elif key == b"transfer-encoding":
+                streamed = True
         if length is not None and length.isdigit() and int(length) > limit:
             await self._reject(scope, send, limit)
             return
         if length is None and not is_import:
+            if not streamed and scope.get("http_version", "1.1") in ("1.0", "1.1"):
+                # no body at all: an HTTP/1 request without a length or a transfer coding has none
+                # (an HTTP/2 request may stream one without either: buffered and limited below)
+                await self.app(scope, receive, send)
+                return
             # A streamed (chunked) JSON body is read whole by the app anyway, so buffer it here:
             # an error raised while the app reads it would be reported as a generic 400, not a 413.
             await self._buffered(scope, receive, send, limit)
@@ -335,7 +345,11 @@ class Observability:
         if latency is None:
             latency = self._latency[key] = self.metrics.request_seconds.labels(*key)
         latency.observe(elapsed)
-        MutableHeaders(scope=message)["X-Request-ID"] = request_id
+        # the header set as `MutableHeaders(scope=message)["X-Request-ID"] = ...` sets it (any of
+        # that name replaced), without the mapping
+        headers = [h for h in message.get("headers", ()) if h[0].lower() != b"x-request-id"]
+        headers.append((b"x-request-id", request_id.encode("latin-1")))
+        message["headers"] = headers
         access = self.access
         # no record where no handler would take it (a process that set up no logging: Python's
         # last resort drops INFO): making one and passing it up cost ~16 us of a ~270 us request

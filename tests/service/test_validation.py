@@ -27,7 +27,16 @@ from .factories import (
     run_stats,
     setup_pool,
 )
-from .harness import READ_TOKEN, WRITE_OTHER_TOKEN, WRITE_P1_TOKEN, Backend, bearer, serve
+from .harness import (
+    ADMIN_TOKEN,
+    READ_TOKEN,
+    WRITE_OTHER_TOKEN,
+    WRITE_P1_TOKEN,
+    Backend,
+    bearer,
+    serve,
+    serve_app,
+)
 
 
 async def _snapshot(client: httpx.AsyncClient, plan: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -291,6 +300,50 @@ async def test_oversize_request_is_413(backend: Backend) -> None:
         )
         assert_problem(streamed, 413)
         assert await _snapshot(c, plan) == before
+
+
+async def _raw_request(
+    app: Any, http_version: str, headers: list[tuple[bytes, bytes]], chunks: list[bytes]
+) -> int:
+    """A POST of a page of questions sent to the app as an ASGI server of `http_version` sends it
+    (the body in `chunks`, with exactly the `headers` given): its answer's status."""
+    pending = [
+        {"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+        for i, chunk in enumerate(chunks)
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": http_version, "method": "POST",
+        "scheme": "http", "path": "/v1/pools/p1/questions", "raw_path": b"/v1/pools/p1/questions",
+        "root_path": "", "query_string": b"", "client": ("127.0.0.1", 1), "server": ("test", 80),
+        "headers": [(b"host", b"test"), (b"authorization", f"Bearer {ADMIN_TOKEN}".encode()), *headers],
+    }  # fmt: skip
+    await app(scope, receive, send)
+    return int(sent[0]["status"])
+
+
+async def test_a_body_without_a_length_is_limited_over_every_http_version(backend: Backend) -> None:
+    """HTTP/1 requests without a length or a transfer coding have no body and go to the app as
+    they came; a body streamed without either (HTTP/2 sends one so) is limited all the same."""
+    json_in = (b"content-type", b"application/json")
+    big = [b"[" + b" " * 200] + [b" " * 200] * 9 + [b"]"]
+    async with serve(backend.settings()) as c:
+        await setup_pool(c)
+    async with serve_app(backend.settings(max_request_bytes=1024)) as (app, c):
+        before = await _snapshot(c)
+        assert await _raw_request(app, "2", [json_in], big) == 413
+        assert await _raw_request(app, "1.1", [json_in, (b"transfer-encoding", b"chunked")], big) == 413
+        # without a body: the body's model refuses it (422), nothing is stored
+        assert await _raw_request(app, "1.1", [json_in], [b""]) == 422
+        assert await _raw_request(app, "2", [json_in], [b""]) == 422
+        assert await _snapshot(c) == before
 
 
 async def test_bad_pool_and_run_bodies(client: httpx.AsyncClient) -> None:

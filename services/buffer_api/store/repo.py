@@ -127,7 +127,7 @@ class Driver:
     else SQLAlchemy's own execution. Finding it is a walk through SQLAlchemy's connection, pool
     entry and driver objects (~1.5 us); a polled stats read made it six times a request."""
 
-    __slots__ = ("adapt", "conn", "dialect", "inline", "pg")
+    __slots__ = ("_database", "adapt", "conn", "dialect", "inline", "pg")
 
     def __init__(self, conn: AsyncConnection) -> None:
         self.conn = conn
@@ -135,6 +135,14 @@ class Driver:
         self.pg = self.dialect.name == "postgresql"
         self.inline = inline_sqlite(conn)
         self.adapt = None if self.inline is not None else _asyncpg(conn)
+        self._database: str | None = None
+
+    @property
+    def database(self) -> str | None:
+        """The connection's database (a SQLite file's path), found once."""
+        if self._database is None:
+            self._database = self.conn.engine.url.database
+        return self._database
 
     @property
     def direct(self) -> bool:
@@ -192,8 +200,9 @@ class _Sql:
     no bound value is coerced one by one: in process on a 10k-question pool, the metadata of 64
     questions' trajectories 6.8 -> 6.1 ms of CPU, the prompts of 192 questions 1.69 -> 1.22."""
 
-    def __init__(self, conn: AsyncConnection | Driver) -> None:
-        self.pg = conn.dialect.name == "postgresql"
+    def __init__(self, conn: AsyncConnection | Driver | None, *, pg: bool = False) -> None:
+        """`pg`: the backend where no connection is given (a statement's text written ahead)."""
+        self.pg = pg if conn is None else conn.dialect.name == "postgresql"
         self.args: list[Any] = []
 
     def arg(self, value: Any) -> str:
@@ -326,6 +335,23 @@ def _bind_processors(
     raw = dialect.name == "sqlite"
     found = [None if raw and isinstance(t, LargeBinary) else t.bind_processor(dialect) for t in impls]
     return tuple((i, p) for i, p in enumerate(found) if p is not None)
+
+
+#: timestamps as SQLite's `created_at` binds them, kept for the next read (`_stamp_text`)
+_STAMP_TEXTS: dict[tuple[datetime, Any], str] = {}
+
+
+def _stamp_text(dialect: Any, value: datetime) -> Any:
+    """A timestamp as SQLite's `created_at` column binds it (`_bound`'s conversion), kept for the
+    next call: the stats reads bind a ten-second period's boundary again and again (~2.7 us each)."""
+    key = (value, value.tzinfo)
+    text = _STAMP_TEXTS.get(key)
+    if text is None:
+        if len(_STAMP_TEXTS) >= 64:
+            _STAMP_TEXTS.clear()
+        ((_, convert),) = _bind_processors(dialect, _traj_t, ("created_at",))
+        text = _STAMP_TEXTS[key] = convert(value)
+    return text
 
 
 def _bound(
@@ -1633,62 +1659,38 @@ async def stats_counts(
         return StatsCounts({}, {}, {})
     d = await _driver_of(session)
     inline = d.inline
-    q = _Sql(d)
     first, lo, hi, sign = _boundary(since)
-    if not q.pg:  # SQLite compares times as its column's text
-        lo, hi = _bound(d, _traj_t, ("created_at", "created_at"))((lo, hi))
-    # five columns in every part: (kind, id, bucket, retired, count), NULL where a kind has none;
-    # the state tally's part first, whose columns give Postgres the types of the NULLs after it
-    sql = (
-        f"SELECT 3, scope, bucket, retired, sum(n) FROM state_tally WHERE scope "
-        f"{q.ids(sorted(set(scopes.values())))} GROUP BY scope, bucket, retired UNION ALL "
-        f"SELECT 0, run_id, NULL, NULL, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
-        f"AND run_id {q.ids(ids)} GROUP BY run_id UNION ALL "
-        f"SELECT 1, run_id, NULL, NULL, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(pool_id)} "
-        f"AND run_id {q.ids(ids)} AND period >= {q.arg(first)} GROUP BY run_id"
-    )
+    pg = d.pg
+    if not pg:  # SQLite compares times as its column's text
+        lo, hi = _stamp_text(d.dialect, lo), _stamp_text(d.dialect, hi)
+    states = sorted(set(scopes.values()))
+    sql = _stats_sql(pg, inline is not None, len(states), len(ids), replays)
+    args = [*_ids_args(pg, states), pool_id, *_ids_args(pg, ids), pool_id, *_ids_args(pg, ids), first]
     if replays:
-        length = "jsonb_array_length(b.plan -> 'replay')" if q.pg else "json_array_length(b.plan, '$.replay')"
-        sql += (
-            f" UNION ALL SELECT 4, r.id, NULL, NULL, (SELECT {length} FROM batch b WHERE b.run_id = r.id "
-            f"AND b.status = 'committed' ORDER BY b.step DESC LIMIT 1) FROM run r WHERE r.id {q.ids(ids)}"
-        )
+        args += _ids_args(pg, ids)
     if inline is None:  # on Postgres's server, or SQLite's thread driver: off the loop anyway
-        sql += (
-            f" UNION ALL SELECT 2, source_run_id, NULL, NULL, count(*) FROM trajectory WHERE source_run_id "
-            f"{q.ids(ids)} AND created_at >= {q.arg(lo)} AND created_at < {q.arg(hi)} GROUP BY source_run_id"
-        )
-        rows = list(await d.rows(sql, q.args))
+        args += [*_ids_args(pg, ids), lo, hi]
+        rows = list(await d.rows(sql, args))
     else:
-        # a count per run over its part of the (run, created) index: with `IN (...) GROUP BY`
-        # SQLite takes ~2.3x as long (1.4 against 0.62 ms for 34k entries)
-        sql += "".join(
-            f" UNION ALL SELECT 2, {q.arg(r)}, NULL, NULL, (SELECT count(*) FROM trajectory WHERE "
-            f"source_run_id = {q.arg(r)} AND created_at >= {q.arg(lo)} AND created_at < {q.arg(hi)})"
-            for r in ids
-        )
-        statement = (d.conn.engine.url.database, tuple(ids))
+        for r in ids:
+            args += (r, r, lo, hi)
+        statement = (d.database, tuple(ids))
         found: list[Any] | None = None
         try:
             if statement not in _COUNTED_OFF_LOOP:
                 own = STEPS_PER_RUN + (STEPS_PER_REPLAY if replays else 0)
                 steps = RECENT_ON_LOOP * STEPS_PER_ENTRY + own * len(ids)
-                found = await sqlite_inline.fetch_all_within(inline, sql, q.args, steps)
+                found = await sqlite_inline.fetch_all_within(inline, sql, args, steps)
             if found is None:
-                found = await sqlite_inline.fetch_all_off_loop(inline, sql, q.args)
+                found = await sqlite_inline.fetch_all_off_loop(inline, sql, args)
         except sqlite3.Error as e:
-            raise _sqlite_error(sql, q.args, e) from e
+            raise _sqlite_error(sql, args, e) from e
         rows = found
-        if sum(int(n) for kind, _, _, _, n in rows if kind == 2) >= RECENT_ON_LOOP:
-            if len(_COUNTED_OFF_LOOP) >= 4096:  # statements of runs and pools long gone
-                _COUNTED_OFF_LOOP.clear()
-            _COUNTED_OFF_LOOP.add(statement)
-        else:
-            _COUNTED_OFF_LOOP.discard(statement)
-    cells: dict[int, list[Any]] = {sc: [{}, 0, 0] for sc in scopes.values()}
+    cells: dict[int, list[Any]] = {sc: [{}, 0, 0] for sc in states}
     stored: dict[int, int] = {}
     lately: dict[int, int] = {}
     replayed: dict[int, int] = {}
+    counted = 0  # rows of part of `since`'s period, counted over the index
     for kind, key, bucket, is_retired, total in rows:
         n = int(total or 0)
         if kind == 3:
@@ -1705,11 +1707,65 @@ async def stats_counts(
         elif kind == 4:
             replayed[int(key)] = n
         else:  # the part of the first period: added after `since`, subtracted before it
-            lately[int(key)] = lately.get(int(key), 0) + (sign * n if kind == 2 else n)
+            if kind == 2:
+                counted += n
+                n *= sign
+            lately[int(key)] = lately.get(int(key), 0) + n
+    if inline is not None:
+        if counted >= RECENT_ON_LOOP:
+            if len(_COUNTED_OFF_LOOP) >= 4096:  # statements of runs and pools long gone
+                _COUNTED_OFF_LOOP.clear()
+            _COUNTED_OFF_LOOP.add(statement)
+        else:
+            _COUNTED_OFF_LOOP.discard(statement)
     return StatsCounts(
         states={sc: (hist, retired, seen) for sc, (hist, retired, seen) in cells.items()},
         trajectories={r: (stored.get(r, 0), lately.get(r, 0)) for r in ids},
         replayed=replayed,
+    )
+
+
+def _ids_args(pg: bool, values: Sequence[int]) -> list[Any]:
+    """The parameters `_Sql.ids` binds for a list of ids (Postgres: one array; SQLite: a mark
+    each, rounded up with the last id again, `id_marks`)."""
+    if pg:
+        return [list(values)]
+    return [*values, *[values[-1]] * (id_marks(len(values)) - len(values))]
+
+
+@functools.lru_cache(maxsize=256)
+def _stats_sql(pg: bool, inline: bool, n_states: int, n_ids: int, replays: bool) -> str:
+    """`stats_counts`'s statement for its shape, written once (~5 us a request): its parameters
+    in the order `stats_counts` gives them. Five columns in every part: (kind, id, bucket,
+    retired, count), NULL where a kind has none; the state tally's part first, whose columns give
+    Postgres the types of the NULLs after it."""
+    q = _Sql(None, pg=pg)
+    states, ids = list(range(1, n_states + 1)), list(range(1, n_ids + 1))
+    sql = (
+        f"SELECT 3, scope, bucket, retired, sum(n) FROM state_tally WHERE scope "
+        f"{q.ids(states)} GROUP BY scope, bucket, retired UNION ALL "
+        f"SELECT 0, run_id, NULL, NULL, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(0)} "
+        f"AND run_id {q.ids(ids)} GROUP BY run_id UNION ALL "
+        f"SELECT 1, run_id, NULL, NULL, sum(n) FROM trajectory_tally WHERE pool_id = {q.arg(0)} "
+        f"AND run_id {q.ids(ids)} AND period >= {q.arg(0)} GROUP BY run_id"
+    )
+    if replays:
+        length = "jsonb_array_length(b.plan -> 'replay')" if pg else "json_array_length(b.plan, '$.replay')"
+        sql += (
+            f" UNION ALL SELECT 4, r.id, NULL, NULL, (SELECT {length} FROM batch b WHERE b.run_id = r.id "
+            f"AND b.status = 'committed' ORDER BY b.step DESC LIMIT 1) FROM run r WHERE r.id {q.ids(ids)}"
+        )
+    if not inline:
+        return sql + (
+            f" UNION ALL SELECT 2, source_run_id, NULL, NULL, count(*) FROM trajectory WHERE source_run_id "
+            f"{q.ids(ids)} AND created_at >= {q.arg(0)} AND created_at < {q.arg(0)} GROUP BY source_run_id"
+        )
+    # a count per run over its part of the (run, created) index: with `IN (...) GROUP BY` SQLite
+    # takes ~2.3x as long (1.4 against 0.62 ms for 34k entries)
+    return sql + "".join(
+        f" UNION ALL SELECT 2, {q.arg(0)}, NULL, NULL, (SELECT count(*) FROM trajectory WHERE "
+        f"source_run_id = {q.arg(0)} AND created_at >= {q.arg(0)} AND created_at < {q.arg(0)})"
+        for _ in ids
     )
 
 
