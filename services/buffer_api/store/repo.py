@@ -210,14 +210,20 @@ class _Sql:
         return f"${len(self.args)}" if self.pg else "?"
 
     def ids(self, values: Sequence[int]) -> str:
+        self.args.extend(_ids_args(self.pg, values))
         if self.pg:
-            self.args.append(list(values))
             return f"= ANY(${len(self.args)}::bigint[])"
-        self.args.extend(values)
-        marks = id_marks(len(values))
-        if marks > len(values):  # the last id again: the same set, a statement text already prepared
-            self.args.extend([values[-1]] * (marks - len(values)))
-        return f"IN ({', '.join('?' * marks)})"
+        return f"IN ({', '.join('?' * id_marks(len(values)))})"
+
+
+def _ids_args(pg: bool, values: Sequence[int]) -> list[Any]:
+    """The parameters a list of ids binds (`_Sql.ids`): on Postgres one array; on SQLite a mark
+    each, rounded up (`id_marks`) with the last id again: the same set, a statement text already
+    prepared."""
+    if pg:
+        return [list(values)]
+    pad = id_marks(len(values)) - len(values)
+    return [*values, *[values[-1]] * pad] if pad else list(values)
 
 
 def id_marks(n: int) -> int:
@@ -1723,14 +1729,6 @@ async def stats_counts(
         trajectories={r: (stored.get(r, 0), lately.get(r, 0)) for r in ids},
         replayed=replayed,
     )
-
-
-def _ids_args(pg: bool, values: Sequence[int]) -> list[Any]:
-    """The parameters `_Sql.ids` binds for a list of ids (Postgres: one array; SQLite: a mark
-    each, rounded up with the last id again, `id_marks`)."""
-    if pg:
-        return [list(values)]
-    return [*values, *[values[-1]] * (id_marks(len(values)) - len(values))]
 
 
 @functools.lru_cache(maxsize=256)
