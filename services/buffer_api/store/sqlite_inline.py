@@ -14,19 +14,11 @@ their own (`busy_timeout=0`): a statement that finds the database locked is retr
 `asyncio.sleep`, which lets the holder run, until `BUSY_WAIT_S` have passed. SQLite in WAL mode
 lets readers run beside the writer, and `Database` serialises this process's writes before they
 begin, so in one process that wait is rare.
-
-A large transaction's COMMIT is the one call that leaves the loop: SQLite writes every page the
-transaction changed into the WAL then, ~18 ms of a 256-group ingest's ~50 (its payloads' pages),
-with the GIL released. Run in a worker thread (`OFF_LOOP_COMMIT_ROWS`), it lets the loop parse and
-validate the next requests on the other core meanwhile. The connection is not used by anything
-else until it returns: the write it ends holds the process's write lock, and a commit whose caller
-is cancelled is waited for before the cancellation goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
@@ -35,11 +27,6 @@ from typing import Any
 #: how long a statement waits for a lock held by another connection before it fails as
 #: SQLite's own busy timeout would ("database is locked")
 BUSY_WAIT_S = 30.0
-
-#: a transaction that changed at least this many rows commits in a worker thread (a 32-group
-#: ingest changes ~130 and commits in ~1.5 ms on the loop, less than a thread's round trip would
-#: let other work use; a trainer's 128-group commit ~500, a 256-group ingest ~1,000)
-OFF_LOOP_COMMIT_ROWS = 256
 
 
 def lock_error(error: sqlite3.Error) -> bool:
@@ -55,38 +42,20 @@ def _busy(error: sqlite3.Error) -> bool:
     return lock_error(error) and getattr(error, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY_SNAPSHOT
 
 
-async def _retrying(call: Callable[[], object], *, off_loop: bool = False) -> None:
-    """Run `call` (`off_loop`: in a worker thread, `_in_thread`); while SQLite answers that another
-    connection holds the lock, wait on the loop (1 ms, doubling to 50 ms) and try again, for up to
-    `BUSY_WAIT_S`."""
+async def _retrying(call: Callable[[], object]) -> None:
+    """Run `call`; while SQLite answers that another connection holds the lock, wait on the loop
+    (1 ms, doubling to 50 ms) and try again, for up to `BUSY_WAIT_S`."""
     deadline = time.monotonic() + BUSY_WAIT_S
     pause = 0.001
     while True:
         try:
-            if off_loop:
-                await _in_thread(call)
-            else:
-                call()
+            call()
             return
         except sqlite3.OperationalError as error:
             if not _busy(error) or time.monotonic() >= deadline:
                 raise
         await asyncio.sleep(pause)
         pause = min(pause * 2, 0.05)
-
-
-async def _in_thread(call: Callable[[], object]) -> None:
-    """Run `call` in the loop's default executor and wait for it. Cancelled meanwhile, it still
-    waits until the call has returned before the cancellation goes on: the call uses a connection
-    that nothing may touch again before it ends."""
-    done = asyncio.get_running_loop().run_in_executor(None, call)
-    try:
-        await asyncio.shield(done)
-    except asyncio.CancelledError:
-        while not done.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(done)
-        raise
 
 
 async def fetch_all(conn: sqlite3.Connection, sql: str, parameters: Sequence[Any]) -> list[Any]:
@@ -234,8 +203,6 @@ class InlineConnection:
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn: sqlite3.Connection | None = conn
-        #: the connection's count of changed rows when its last transaction ended
-        self._ended_at = conn.total_changes
 
     @property
     def _connection(self) -> sqlite3.Connection | None:
@@ -255,17 +222,10 @@ class InlineConnection:
         return InlineCursor(self._live().cursor())
 
     async def commit(self) -> None:
-        """COMMIT, in a worker thread where the transaction changed `OFF_LOOP_COMMIT_ROWS` rows or
-        more (its pages written into the WAL without the GIL), on the loop otherwise."""
-        conn = self._live()
-        large = conn.total_changes - self._ended_at >= OFF_LOOP_COMMIT_ROWS
-        await _retrying(conn.commit, off_loop=large)
-        self._ended_at = conn.total_changes
+        await _retrying(self._live().commit)
 
     async def rollback(self) -> None:
-        conn = self._live()
-        conn.rollback()
-        self._ended_at = conn.total_changes
+        self._live().rollback()
 
     async def close(self) -> None:
         self.stop()
