@@ -11,8 +11,7 @@ work included, Postgres's and Redis's not) and the wall time per request are tak
 round ending when its side's background WAL checkpoint has finished, and the medians printed with
 service/floor. The page faults (minor) and the system time per request are the process's too.
 "loop CPU" is the event loop's thread alone (`time.thread_time`): what the requests' handling
-holds the loop for, without the work the side hands to other threads (SQLite's WAL checkpoint,
-and on the service a large transaction's COMMIT, `sqlite_inline.OFF_LOOP_COMMIT_ROWS`).
+holds the loop for, without the work the side hands to other threads (SQLite's WAL checkpoint).
 
 `--allocator default` leaves glibc's allocator as it starts (the service's `keep_freed_memory()`
 not called), to measure what that setting changes; it applies to both sides, one process.
