@@ -11,7 +11,9 @@ work included, Postgres's and Redis's not) and the wall time per request are tak
 round ending when its side's background WAL checkpoint has finished, and the medians printed with
 service/floor. The page faults (minor) and the system time per request are the process's too.
 "loop CPU" is the event loop's thread alone (`time.thread_time`): what the requests' handling
-holds the loop for, without the work the side hands to other threads (SQLite's WAL checkpoint).
+holds the loop for, without the work the side hands to other threads (SQLite's WAL checkpoint);
+the client's share of sending each body through `httpx.ASGITransport` is in it, alike on both
+sides.
 
 `--allocator default` leaves glibc's allocator as it starts (the service's `keep_freed_memory()`
 not called), to measure what that setting changes; it applies to both sides, one process.
