@@ -75,6 +75,20 @@ def log(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------------- server
+#: how long the benchmark's clients keep an idle connection for the next request: under uvicorn's
+#: 5 s (its `timeout_keep_alive`), so that a request never goes out on a connection the server is
+#: closing at that moment (a `ReadError` with nothing wrong: the SDK retries such errors, these raw
+#: clients do not; a throughput round 5 s after the side's last one met it)
+KEEPALIVE_S = 2.0
+
+
+def bench_client(url: str) -> httpx.AsyncClient:
+    """The benchmark's HTTP client of a server at `url` (no proxies from the environment)."""
+    # httpx's own limits but for the keep-alive
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_S)
+    return httpx.AsyncClient(base_url=url, timeout=300, trust_env=False, limits=limits)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -574,7 +588,7 @@ async def run_workload(server: Server, opts: Options, combo: Combo) -> None:
     prefix = f"/v1/pools/{_seed.POOL_NAME}"
     trainer = Trainer(seed=combo.size)
     memory: dict[str, dict[str, float]] = {"after_start": server.memory()}
-    async with httpx.AsyncClient(base_url=server.url, timeout=300, trust_env=False) as client:
+    async with bench_client(server.url) as client:
         api = Api(client, server.proc.pid)
         if opts.mix_only:
             res["mix"] = await _mix(api, trainer, prefix, opts, combo.size)
@@ -704,8 +718,8 @@ async def against_floor(server: Server, floor: Server, opts: Options, combo: Com
         for side in sides
     }
     async with (
-        httpx.AsyncClient(base_url=server.url, timeout=300, trust_env=False) as c1,
-        httpx.AsyncClient(base_url=floor.url, timeout=300, trust_env=False) as c2,
+        bench_client(server.url) as c1,
+        bench_client(floor.url) as c2,
     ):
         apis = {"service": Api(c1, server.proc.pid), "floor": Api(c2, floor.proc.pid)}
         trainers = {side: Trainer(seed=combo.size) for side in sides}
@@ -1050,8 +1064,8 @@ async def mix_against_floor(server: Server, floor: Server, opts: Options, combo:
     prefix = f"/v1/pools/{_seed.POOL_NAME}"
     sides: dict[str, dict[str, Any]] = {}
     async with (
-        httpx.AsyncClient(base_url=server.url, timeout=300, trust_env=False) as c1,
-        httpx.AsyncClient(base_url=floor.url, timeout=300, trust_env=False) as c2,
+        bench_client(server.url) as c1,
+        bench_client(floor.url) as c2,
     ):
         apis = {"service": Api(c1, server.proc.pid), "floor": Api(c2, floor.proc.pid)}
         for side in ("floor", "service") if opts.floor_first else ("service", "floor"):

@@ -123,7 +123,7 @@ async def profile(backend: str, size: int, requests: int, opts: argparse.Namespa
     trainer = pb.Trainer(seed=size)
     samples: dict[str, list[pb.Sample]] = {}
     try:
-        async with httpx.AsyncClient(base_url=server.url, timeout=300, trust_env=False) as c:
+        async with pb.bench_client(server.url) as c:
             api = pb.Api(c, pid)
 
             async def post(

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _seed
@@ -132,7 +131,7 @@ async def measure(args: argparse.Namespace) -> list[tuple[int, str, dict[str, tu
         async with contextlib.AsyncExitStack() as stack:
             apis = {}
             for side, s in zip(("service", "floor"), servers, strict=True):
-                client = httpx.AsyncClient(base_url=s.url, timeout=300, trust_env=False)
+                client = pb.bench_client(s.url)
                 apis[side] = pb.Api(await stack.enter_async_context(client), s.proc.pid)
             for api in apis.values():  # warm-up
                 for _ in range(30):
