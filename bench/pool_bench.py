@@ -803,6 +803,7 @@ async def against_floor(server: Server, floor: Server, opts: Options, combo: Com
                 "service": a,
                 "floor": b,
                 "ratio_p50": round(a["p50_ms"] / b["p50_ms"], 2),
+                "ratio_p50_ci90": p50_ratio_interval(a["samples_ms"], b["samples_ms"]),
                 "ratio_p99": round(a["p99_ms"] / b["p99_ms"], 2),
                 "ratio_cpu": round(a["server_cpu_mean_ms"] / b["server_cpu_mean_ms"], 2),
             }
@@ -881,12 +882,35 @@ def _cpu_ratio(a: dict[str, Any], b: dict[str, Any]) -> str:
     return "-" if not x or not y else f"{x / y:.2f}"
 
 
+def p50_ratio_interval(
+    service_ms: list[float], floor_ms: list[float], *, level: float = 0.9, resamples: int = 4000
+) -> list[float] | None:
+    """A bootstrap interval (`level`, percentile method) of the ratio of the two sides' median
+    latencies: each side's requests drawn again with replacement, on their own, `resamples`
+    times, with a fixed seed (the same samples give the same interval). What one cell's ratio
+    could have read in the same minutes with other requests; the hour's drift between runs is not
+    in it (the floor against itself, `--floor-twice`, shows that). None for fewer than 5 a side."""
+    if min(len(service_ms), len(floor_ms)) < 5:
+        return None
+    rng = np.random.default_rng(0)
+    a, b = np.asarray(service_ms, float), np.asarray(floor_ms, float)
+    ma = np.median(a[rng.integers(0, len(a), (resamples, len(a)))], axis=1)
+    mb = np.median(b[rng.integers(0, len(b), (resamples, len(b)))], axis=1)
+    lo, hi = np.percentile(ma / mb, [50 * (1 - level), 50 * (1 + level)])
+    return [round(float(lo), 2), round(float(hi), 2)]
+
+
+def _interval(x: dict[str, Any]) -> str:
+    ci = x.get("ratio_p50_ci90")  # (a file written before the interval was kept has none)
+    return f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else ""
+
+
 def floor_table(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown: service against the floor, per backend, size, encoding and request type."""
     out = [
         "| backend | questions | encoding | request | service p50 | service p99 | floor p50 | floor p99 "
-        "| p50 ratio | p99 ratio | service CPU | floor CPU | CPU ratio |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| p50 ratio | 90% interval | p99 ratio | service CPU | floor CPU | CPU ratio |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         for enc, whats in r.get("floor", {}).items():
@@ -895,8 +919,8 @@ def floor_table(rows: list[dict[str, Any]]) -> list[str]:
                 out.append(
                     f"| {r['backend']} | {r['questions']:,} | {enc} | {what} | {_f(a['p50_ms'])} "
                     f"| {_f(a['p99_ms'])} | {_f(b['p50_ms'])} | {_f(b['p99_ms'])} | {x['ratio_p50']:.2f} "
-                    f"| {x['ratio_p99']:.2f} | {_f(a['server_cpu_mean_ms'])} | {_f(b['server_cpu_mean_ms'])} "
-                    f"| {x['ratio_cpu']:.2f} |"
+                    f"| {_interval(x)} | {x['ratio_p99']:.2f} | {_f(a['server_cpu_mean_ms'])} "
+                    f"| {_f(b['server_cpu_mean_ms'])} | {x['ratio_cpu']:.2f} |"
                 )
     return out
 
