@@ -1568,6 +1568,11 @@ def side_by_side(rows: list[dict[str, Any]]) -> list[str]:
 def markdown(doc: dict[str, Any]) -> str:
     """The tables of docs/benchmarks.md, from a result file."""
     rows = doc["results"]
+    if any(r.get("floor") for r in rows):  # --floor: the service against the floor
+        out = floor_table(rows)
+        if any(r.get("floor_ingest") for r in rows):
+            out += ["", *floor_throughput_table(rows)]
+        return "\n".join(out)
     if not any("plan" in r for r in rows):  # --mix-only: the mix is all there is
         return "\n".join(mix_table(rows))
 
