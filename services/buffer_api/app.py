@@ -439,7 +439,7 @@ def settle_heap() -> None:
     After start-up the process holds ~150k tracked objects (modules, routes, schemas, compiled
     validators, SQLAlchemy's metadata) that live as long as it does. A full collection walks all
     of them, and it runs at a moment no one chooses: inside a request, for 0.2-0.3 s on a 2-CPU
-    machine (docs/benchmarks.md, "Garbage collection"). Frozen, they are never walked again;
+    machine (docs/pool-service-passes.md, "Garbage collection"). Frozen, they are never walked again;
     objects made later are collected as before."""
     gc.collect()
     gc.freeze()
@@ -477,8 +477,8 @@ def keep_freed_memory() -> bool:
     By default glibc gives a large buffer pages of its own and returns them when it is freed, or
     trims the heap's free top once it passes twice that (adaptive) size; either way the next
     request that needs as much is handed fresh pages, each a page fault. A 256-group ingest on
-    Postgres took ~2,700 of them, ~4 ms of system time of ~43 ms (docs/benchmarks.md). Kept,
-    the process's resident size stays at what its busiest moment needed, up to
+    Postgres took ~2,700 of them, ~4 ms of system time of ~43 ms (docs/pool-service-passes.md,
+    fifth pass). Kept, the process's resident size stays at what its busiest moment needed, up to
     `KEEP_FREE_MEMORY` beyond what is in use."""
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -2,7 +2,7 @@
 
 Through SQLAlchemy a driver statement (`exec_driver_sql`) passes its execution context, a greenlet
 hop each way, the adapter's cursor and a Row per row: on Postgres its layer was a third of the
-floor's whole CPU (docs/benchmarks.md, eleventh pass). Here a statement takes the adapter's own
+floor's whole CPU (docs/pool-service-passes.md, eleventh pass). Here a statement takes the adapter's own
 steps, in its order: its lock, the transaction it begins where none is open (so the statement is
 part of the session's transaction), its cache of prepared statements, then asyncpg's fetch. A
 failure goes back to SQLAlchemy (`repo._pg_failed`): the adapter translates it, and the connection
