@@ -6,19 +6,38 @@ heading of the same text gets `-1`)."""
 from __future__ import annotations
 
 import re
+import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-_SKIPPED = ("node_modules", "build", "dist")
-#: the Markdown files of the project (a virtual environment's or a build's left out)
-DOCS = sorted(
-    p
-    for p in ROOT.rglob("*.md")
-    if not any(part.startswith(".") or part in _SKIPPED for part in p.relative_to(ROOT).parts)
-)
+_SKIPPED = ("node_modules", "build", "dist", "out")
+
+
+def _markdown_files() -> list[Path]:
+    """The project's Markdown files: those git tracks or would (not what it ignores: a virtual
+    environment, an older tree unpacked under `bench/out`), or without git every one outside the
+    folders a checkout makes for itself."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", "*.md"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        return sorted(
+            p
+            for p in ROOT.rglob("*.md")
+            if not any(part.startswith(".") or part in _SKIPPED for part in p.relative_to(ROOT).parts)
+        )
+    return sorted(ROOT / name for name in listed if name and (ROOT / name).is_file())
+
+
+DOCS = _markdown_files()
 _LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _FENCE = re.compile(r"^\s*(```|~~~)")
