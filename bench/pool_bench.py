@@ -1573,6 +1573,8 @@ def markdown(doc: dict[str, Any]) -> str:
         if any(r.get("floor_ingest") for r in rows):
             out += ["", *floor_throughput_table(rows)]
         return "\n".join(out)
+    if any(r.get("mix_floor") for r in rows):  # --floor --mix-only: each side's mix
+        return "\n".join(floor_mix_table(rows))
     if not any("plan" in r for r in rows):  # --mix-only: the mix is all there is
         return "\n".join(mix_table(rows))
 
