@@ -15,11 +15,19 @@ holds the loop for, without the work the side hands to other threads (SQLite's W
 the client's share of sending each body through `httpx.ASGITransport` is in it, alike on both
 sides.
 
+`--request commit` measures a training step's commit instead (`--groups` and `--per-round` do not
+apply): each round plans `--commits` batches on each side (128 questions, candidates with their
+payloads, as `pool_bench.py` plans them, not timed) and commits each with the 1,024 graded rollouts
+a trainer of the same seed sends both sides, the same body on each (both sides plan the same
+questions from the same copy); only the commits are timed, each after its side's checkpoint of the
+plan has finished and up to the end of its own.
+
 `--allocator default` leaves glibc's allocator as it starts (the service's `keep_freed_memory()`
 not called), to measure what that setting changes; it applies to both sides, one process.
 
     .venv/bin/python bench/ingest_floor.py --backend sqlite --size 10000 --rounds 8 --encoding binary
     .venv/bin/python bench/ingest_floor.py --backend postgres --size 10000 --rounds 8
+    .venv/bin/python bench/ingest_floor.py --backend sqlite --size 10000 --rounds 6 --request commit
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -102,6 +111,9 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
     with tempfile.TemporaryDirectory() as tmp:
         async with _apps(args.backend, args.size, Path(tmp), args) as apps:
             clients = apps["clients"]
+            if args.request == "commit":
+                await _commits(args, apps, media, out)
+                return out
             for r in range(args.rounds + 1):  # round 0 warms both sides up
                 bodies = [
                     trainer.ingest_body(
@@ -132,6 +144,53 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
     return out
 
 
+async def _commits(
+    args: argparse.Namespace, apps: dict[str, Any], media: str, out: dict[str, dict[str, list[float]]]
+) -> None:
+    """`--request commit`: per round and side, `--commits` plans (not timed), each committed with
+    the same trainer's body on both sides; the commits' CPU and wall time per request."""
+    trainers = {side: pb.Trainer(3) for side in SIDES}  # the same seed: the same bodies
+    base = f"/v1/pools/{_seed.POOL_NAME}"
+    for r in range(args.rounds + 1):  # round 0 warms both sides up
+        for side in SIDES if r % 2 else SIDES[::-1]:
+            client = apps["clients"][side]
+            took = {"cpu": 0.0, "loop": 0.0, "wall": 0.0, "stored": 0.0, "faults": 0.0, "sys": 0.0}
+            for _ in range(args.commits):
+                plan = await client.post(
+                    f"{base}/runs/{_seed.RUN_NAME}/batches",
+                    json={"candidates": "all"},
+                    headers={"idempotency-key": uuid.uuid4().hex},
+                )
+                if plan.status_code not in (200, 201):
+                    raise SystemExit(f"{side}: plan {plan.status_code} {plan.text[:300]}")
+                body = trainers[side].commit_body(plan.json(), args.encoding)
+                await _settle(side, apps)
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
+                c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+                resp = await client.post(
+                    f"{base}/batches/{plan.json()['id']}/commit",
+                    content=body,
+                    headers={"content-type": media, "idempotency-key": uuid.uuid4().hex},
+                )
+                if resp.status_code != 200:
+                    raise SystemExit(f"{side}: commit {resp.status_code} {resp.text[:300]}")
+                await _settle(side, apps)
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                took["cpu"] += time.process_time() - c0
+                took["loop"] += time.thread_time() - t0
+                took["wall"] += time.perf_counter() - w0
+                took["faults"] += r1.ru_minflt - r0.ru_minflt
+                took["sys"] += r1.ru_stime - r0.ru_stime
+                took["stored"] += resp.json()["stored_trajectories"]
+            if r:
+                n = args.commits
+                for k in ("cpu", "loop", "wall", "sys"):
+                    out[side][k].append(took[k] / n * 1000)
+                out[side]["faults"].append(took["faults"] / n)
+                out[side]["stored"].append(took["stored"] / n)
+            print(f"round {r}/{args.rounds} {side}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("sqlite", "postgres"), default="sqlite")
@@ -143,12 +202,17 @@ def main() -> None:
     ap.add_argument("--pg-dsn", default="postgresql://postgres@127.0.0.1:5432")
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--allocator", choices=("kept", "default"), default="kept")
+    ap.add_argument("--request", choices=("ingest", "commit"), default="ingest")
+    ap.add_argument("--commits", type=int, default=4, help="with --request commit: commits a round")
     args = ap.parse_args()
     out = asyncio.run(measure(args))
     med = {s: {k: statistics.median(v) for k, v in out[s].items()} for s in SIDES}
+    what, per_round = f"ingests of {args.groups} groups", args.per_round
+    if args.request == "commit":
+        what, per_round = "commits of 128 groups (after plans of 64 fresh and 64 replayed)", args.commits
     print(
-        f"\n{args.backend}, {args.size:,} questions, {args.encoding}, {args.groups} groups per request, "
-        f"median of {args.rounds} rounds of {args.per_round}, per request, allocator {args.allocator}\n"
+        f"\n{args.backend}, {args.size:,} questions, {args.encoding}, {what}, median of {args.rounds} "
+        f"rounds of {per_round}, per request, allocator {args.allocator}\n"
     )
     print(
         "| side | CPU ms | loop CPU ms | system ms | page faults | wall ms | stored trajectories "
