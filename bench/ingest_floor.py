@@ -99,6 +99,32 @@ async def _settle(side: str, apps: dict[str, Any]) -> None:
         await task
 
 
+class _Took:
+    """What a side's requests of one round cost, summed over the spans between `start` and `stop`
+    (the process's CPU, the loop's, the wall time, system time, minor page faults), and
+    `per_request` of them into `out`."""
+
+    def __init__(self) -> None:
+        self.sums = {"cpu": 0.0, "loop": 0.0, "wall": 0.0, "sys": 0.0, "faults": 0.0, "stored": 0.0}
+
+    def start(self) -> None:
+        self._r0 = resource.getrusage(resource.RUSAGE_SELF)
+        self._c0, self._t0, self._w0 = time.process_time(), time.thread_time(), time.perf_counter()
+
+    def stop(self, stored: float) -> None:
+        r1, sums = resource.getrusage(resource.RUSAGE_SELF), self.sums
+        sums["cpu"] += time.process_time() - self._c0
+        sums["loop"] += time.thread_time() - self._t0
+        sums["wall"] += time.perf_counter() - self._w0
+        sums["sys"] += r1.ru_stime - self._r0.ru_stime
+        sums["faults"] += r1.ru_minflt - self._r0.ru_minflt
+        sums["stored"] += stored
+
+    def per_request(self, n: int, out: dict[str, list[float]]) -> None:
+        for k, v in self.sums.items():
+            out[k].append(v / n * (1000 if k in ("cpu", "loop", "wall", "sys") else 1))
+
+
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     out: dict[str, dict[str, list[float]]] = {
         s: {"cpu": [], "loop": [], "wall": [], "stored": [], "faults": [], "sys": []} for s in SIDES
@@ -123,23 +149,17 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
                     for _ in range(args.per_round)
                 ]
                 for side in SIDES if r % 2 else SIDES[::-1]:
-                    stored = 0
-                    r0 = resource.getrusage(resource.RUSAGE_SELF)
-                    c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+                    stored, took = 0, _Took()
+                    took.start()
                     for body in bodies:
                         resp = await clients[side].post(path, content=body, headers={"content-type": media})
                         if resp.status_code != 200:
                             raise SystemExit(f"{side}: {resp.status_code} {resp.text[:300]}")
                         stored += resp.json()["stored_trajectories"]
                     await _settle(side, apps)
-                    r1 = resource.getrusage(resource.RUSAGE_SELF)
+                    took.stop(stored)
                     if r:
-                        out[side]["faults"].append((r1.ru_minflt - r0.ru_minflt) / len(bodies))
-                        out[side]["sys"].append((r1.ru_stime - r0.ru_stime) / len(bodies) * 1000)
-                        out[side]["cpu"].append((time.process_time() - c0) / len(bodies) * 1000)
-                        out[side]["loop"].append((time.thread_time() - t0) / len(bodies) * 1000)
-                        out[side]["wall"].append((time.perf_counter() - w0) / len(bodies) * 1000)
-                        out[side]["stored"].append(stored / len(bodies))
+                        took.per_request(len(bodies), out[side])
                 print(f"round {r}/{args.rounds}", file=sys.stderr, flush=True)
     return out
 
@@ -154,40 +174,30 @@ async def _commits(
     for r in range(args.rounds + 1):  # round 0 warms both sides up
         for side in SIDES if r % 2 else SIDES[::-1]:
             client = apps["clients"][side]
-            took = {"cpu": 0.0, "loop": 0.0, "wall": 0.0, "stored": 0.0, "faults": 0.0, "sys": 0.0}
+            took = _Took()
             for _ in range(args.commits):
-                plan = await client.post(
+                answer = await client.post(
                     f"{base}/runs/{_seed.RUN_NAME}/batches",
                     json={"candidates": "all"},
                     headers={"idempotency-key": uuid.uuid4().hex},
                 )
-                if plan.status_code not in (200, 201):
-                    raise SystemExit(f"{side}: plan {plan.status_code} {plan.text[:300]}")
-                body = trainers[side].commit_body(plan.json(), args.encoding)
+                if answer.status_code not in (200, 201):
+                    raise SystemExit(f"{side}: plan {answer.status_code} {answer.text[:300]}")
+                plan = answer.json()
+                body = trainers[side].commit_body(plan, args.encoding)
                 await _settle(side, apps)
-                r0 = resource.getrusage(resource.RUSAGE_SELF)
-                c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+                took.start()
                 resp = await client.post(
-                    f"{base}/batches/{plan.json()['id']}/commit",
+                    f"{base}/batches/{plan['id']}/commit",
                     content=body,
                     headers={"content-type": media, "idempotency-key": uuid.uuid4().hex},
                 )
                 if resp.status_code != 200:
                     raise SystemExit(f"{side}: commit {resp.status_code} {resp.text[:300]}")
                 await _settle(side, apps)
-                r1 = resource.getrusage(resource.RUSAGE_SELF)
-                took["cpu"] += time.process_time() - c0
-                took["loop"] += time.thread_time() - t0
-                took["wall"] += time.perf_counter() - w0
-                took["faults"] += r1.ru_minflt - r0.ru_minflt
-                took["sys"] += r1.ru_stime - r0.ru_stime
-                took["stored"] += resp.json()["stored_trajectories"]
+                took.stop(resp.json()["stored_trajectories"])
             if r:
-                n = args.commits
-                for k in ("cpu", "loop", "wall", "sys"):
-                    out[side][k].append(took[k] / n * 1000)
-                out[side]["faults"].append(took["faults"] / n)
-                out[side]["stored"].append(took["stored"] / n)
+                took.per_request(args.commits, out[side])
             print(f"round {r}/{args.rounds} {side}", file=sys.stderr, flush=True)
 
 

@@ -5,6 +5,7 @@ heading of the same text gets `-1`)."""
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 from collections import Counter
@@ -62,7 +63,8 @@ def _outside_code(path: Path) -> list[str]:
     return lines
 
 
-def anchors(path: Path) -> set[str]:
+@functools.cache  # a file that hundreds of links lead into is read once
+def anchors(path: Path) -> frozenset[str]:
     seen: Counter[str] = Counter()
     out = set()
     for line in _outside_code(path):
@@ -72,7 +74,7 @@ def anchors(path: Path) -> set[str]:
         a = anchor_of(m.group(2))
         out.add(a if not seen[a] else f"{a}-{seen[a]}")
         seen[a] += 1
-    return out
+    return frozenset(out)
 
 
 def links(path: Path) -> list[str]:
