@@ -13,7 +13,10 @@ service/floor. The page faults (minor) and the system time per request are the p
 "loop CPU" is the event loop's thread alone (`time.thread_time`): what the requests' handling
 holds the loop for, without the work the side hands to other threads (SQLite's WAL checkpoint);
 the client's share of sending each body through `httpx.ASGITransport` is in it, alike on both
-sides.
+sides. The "app" columns leave the client out: the time inside each side's ASGI app, from its
+call to its return (the process's CPU, all threads, as a server's own would count it; the loop's;
+the wall), so their ratios are those of the requests' own work, comparable with what
+`pool_bench.py --floor` measures in the servers.
 
 `--request commit` measures a training step's commit instead (`--groups` and `--per-round` do not
 apply): each round plans `--commits` batches on each side (128 questions, candidates with their
@@ -79,13 +82,35 @@ async def _apps(
         floor = _floor.Floor(await _floor._connect(copies["floor"].url))
         await floor.load()
         await stack.enter_async_context(app.router.lifespan_context(app))
-        clients = {}
+        clients, clocks = {}, {}
         for side, asgi in (("service", app), ("floor", _floor.app_for(floor))):
-            transport = httpx.ASGITransport(app=asgi)
+            clocks[side] = _AppClock(asgi)
+            transport = httpx.ASGITransport(app=clocks[side])
             clients[side] = await stack.enter_async_context(
                 httpx.AsyncClient(transport=transport, base_url=f"http://{side}", timeout=120)
             )
-        yield {"clients": clients, "app": app, "floor": floor}
+        yield {"clients": clients, "clocks": clocks, "app": app, "floor": floor}
+
+
+class _AppClock:
+    """A side's ASGI app, timed from the call to its return: the request's own work, without the
+    client's share of building and sending it through `httpx.ASGITransport` and of reading the
+    answer (the columns "app ..."). Summed over the calls: the process's CPU (all threads, as a
+    server's would count: the service's digest thread is in it), the calling thread's, the wall."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.sums = {"app_cpu": 0.0, "app_loop": 0.0, "app_wall": 0.0}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            sums = self.sums
+            sums["app_cpu"] += time.process_time() - c0
+            sums["app_loop"] += time.thread_time() - t0
+            sums["app_wall"] += time.perf_counter() - w0
 
 
 async def _settle(side: str, apps: dict[str, Any]) -> None:
@@ -101,15 +126,18 @@ async def _settle(side: str, apps: dict[str, Any]) -> None:
 
 class _Took:
     """What a side's requests of one round cost, summed over the spans between `start` and `stop`
-    (the process's CPU, the loop's, the wall time, system time, minor page faults), and
-    `per_request` of them into `out`."""
+    (the process's CPU, the loop's, the wall time, system time, minor page faults, and of those
+    spans the time inside the side's app: `clock`), and `per_request` of them into `out`."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: _AppClock) -> None:
+        self.clock = clock
         self.sums = {"cpu": 0.0, "loop": 0.0, "wall": 0.0, "sys": 0.0, "faults": 0.0, "stored": 0.0}
+        self.sums.update(dict.fromkeys(clock.sums, 0.0))
 
     def start(self) -> None:
         self._r0 = resource.getrusage(resource.RUSAGE_SELF)
         self._c0, self._t0, self._w0 = time.process_time(), time.thread_time(), time.perf_counter()
+        self._app0 = dict(self.clock.sums)
 
     def stop(self, stored: float) -> None:
         r1, sums = resource.getrusage(resource.RUSAGE_SELF), self.sums
@@ -119,16 +147,17 @@ class _Took:
         sums["sys"] += r1.ru_stime - self._r0.ru_stime
         sums["faults"] += r1.ru_minflt - self._r0.ru_minflt
         sums["stored"] += stored
+        for k, v in self.clock.sums.items():
+            sums[k] += v - self._app0[k]
 
     def per_request(self, n: int, out: dict[str, list[float]]) -> None:
         for k, v in self.sums.items():
-            out[k].append(v / n * (1000 if k in ("cpu", "loop", "wall", "sys") else 1))
+            out[k].append(v / n * (1 if k in ("faults", "stored") else 1000))
 
 
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
-    out: dict[str, dict[str, list[float]]] = {
-        s: {"cpu": [], "loop": [], "wall": [], "stored": [], "faults": [], "sys": []} for s in SIDES
-    }
+    kinds = ("cpu", "loop", "wall", "stored", "faults", "sys", "app_cpu", "app_loop", "app_wall")
+    out: dict[str, dict[str, list[float]]] = {s: {k: [] for k in kinds} for s in SIDES}
     if args.allocator == "default":
         exgrpo_pool.app.keep_freed_memory = lambda: False  # create_app's lifespan looks it up
     trainer, rng = pb.Trainer(0), np.random.default_rng(1)
@@ -149,7 +178,7 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
                     for _ in range(args.per_round)
                 ]
                 for side in SIDES if r % 2 else SIDES[::-1]:
-                    stored, took = 0, _Took()
+                    stored, took = 0, _Took(apps["clocks"][side])
                     took.start()
                     for body in bodies:
                         resp = await clients[side].post(path, content=body, headers={"content-type": media})
@@ -174,7 +203,7 @@ async def _commits(
     for r in range(args.rounds + 1):  # round 0 warms both sides up
         for side in SIDES if r % 2 else SIDES[::-1]:
             client = apps["clients"][side]
-            took = _Took()
+            took = _Took(apps["clocks"][side])
             for _ in range(args.commits):
                 answer = await client.post(
                     f"{base}/runs/{_seed.RUN_NAME}/batches",
@@ -224,21 +253,19 @@ def main() -> None:
         f"\n{args.backend}, {args.size:,} questions, {args.encoding}, {what}, median of {args.rounds} "
         f"rounds of {per_round}, per request, allocator {args.allocator}\n"
     )
+    cols = ("cpu", "loop", "sys", "faults", "wall", "app_cpu", "app_loop", "app_wall")
     print(
-        "| side | CPU ms | loop CPU ms | system ms | page faults | wall ms | stored trajectories "
-        "| trajectories/s |"
+        "| side | CPU ms | loop CPU ms | system ms | page faults | wall ms | app CPU ms | app loop CPU ms "
+        "| app wall ms | stored trajectories | trajectories/s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|" + "---:|" * (len(cols) + 2))
     for s in SIDES:
         m = med[s]
-        print(
-            f"| {s} | {m['cpu']:.1f} | {m['loop']:.1f} | {m['sys']:.1f} | {m['faults']:,.0f} "
-            f"| {m['wall']:.1f} "
-            f"| {m['stored']:.0f} | {m['stored'] / m['wall'] * 1000:,.0f} |"
-        )
-    cpu, wall = med["service"]["cpu"] / med["floor"]["cpu"], med["service"]["wall"] / med["floor"]["wall"]
-    loop = med["service"]["loop"] / med["floor"]["loop"]
-    print(f"| service / floor | {cpu:.2f} | {loop:.2f} | | | {wall:.2f} | | |")
+        cells = " | ".join(f"{m[k]:,.0f}" if k == "faults" else f"{m[k]:.1f}" for k in cols)
+        print(f"| {s} | {cells} | {m['stored']:.0f} | {m['stored'] / m['wall'] * 1000:,.0f} |")
+    ratios = {k: med["service"][k] / med["floor"][k] for k in cols if k not in ("sys", "faults")}
+    cells = " | ".join("" if k not in ratios else f"{ratios[k]:.2f}" for k in cols)
+    print(f"| service / floor | {cells} | | |")
 
 
 if __name__ == "__main__":
