@@ -75,16 +75,20 @@ def _paths(node: Any, at: Path = ()) -> list[Path]:
     return out
 
 
-def _parent(root: Any, path: Path) -> Any:
+def _get(root: Any, path: Path) -> Any:
     node = root
-    for step in path[:-1]:
+    for step in path:
         node = node[step]
     return node
 
 
+def _parent(root: Any, path: Path) -> Any:
+    return _get(root, path[:-1])
+
+
 def _containers(root: Any) -> list[Path]:
     """The places that hold a map or a list (the root's map included, as `()`)."""
-    return [()] + [p for p in _paths(root) if isinstance(_parent(root, (*p, 0)), dict | list)]
+    return [()] + [p for p in _paths(root) if isinstance(_get(root, p), dict | list)]
 
 
 def mutate(parts: dict[str, Any], rng: random.Random) -> tuple[bytes, str]:
@@ -139,13 +143,6 @@ def mutate(parts: dict[str, Any], rng: random.Random) -> tuple[bytes, str]:
             raw[at] ^= 1 << rng.randrange(8)
         return bytes(raw), f"bits flipped at {spots}"
     return bytes(raw) + bytes(rng.randrange(256) for _ in range(5)), "5 bytes appended"
-
-
-def _get(root: Any, path: Path) -> Any:
-    node = root
-    for step in path:
-        node = node[step]
-    return node
 
 
 async def _fuzz(
