@@ -92,6 +92,16 @@ async def _apps(
         yield {"clients": clients, "clocks": clocks, "app": app, "floor": floor}
 
 
+def _clocks() -> tuple[float, float, float]:
+    """The process's CPU (all threads), the calling thread's CPU and the wall clock, in seconds."""
+    return time.process_time(), time.thread_time(), time.perf_counter()
+
+
+#: what `_Took` sums per round, and what `_AppClock` adds to it (in the order `_clocks` reads them)
+ROUND_MEASURES = ("cpu", "loop", "wall", "sys", "faults", "stored")
+APP_MEASURES = ("app_cpu", "app_loop", "app_wall")
+
+
 class _AppClock:
     """A side's ASGI app, timed from the call to its return: the request's own work, without the
     client's share of building and sending it through `httpx.ASGITransport` and of reading the
@@ -100,17 +110,15 @@ class _AppClock:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self.sums = {"app_cpu": 0.0, "app_loop": 0.0, "app_wall": 0.0}
+        self.sums = dict.fromkeys(APP_MEASURES, 0.0)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+        before = _clocks()
         try:
             await self.app(scope, receive, send)
         finally:
-            sums = self.sums
-            sums["app_cpu"] += time.process_time() - c0
-            sums["app_loop"] += time.thread_time() - t0
-            sums["app_wall"] += time.perf_counter() - w0
+            for k, b, a in zip(APP_MEASURES, before, _clocks(), strict=True):
+                self.sums[k] += a - b
 
 
 async def _settle(side: str, apps: dict[str, Any]) -> None:
@@ -131,19 +139,17 @@ class _Took:
 
     def __init__(self, clock: _AppClock) -> None:
         self.clock = clock
-        self.sums = {"cpu": 0.0, "loop": 0.0, "wall": 0.0, "sys": 0.0, "faults": 0.0, "stored": 0.0}
-        self.sums.update(dict.fromkeys(clock.sums, 0.0))
+        self.sums = dict.fromkeys(ROUND_MEASURES + APP_MEASURES, 0.0)
 
     def start(self) -> None:
         self._r0 = resource.getrusage(resource.RUSAGE_SELF)
-        self._c0, self._t0, self._w0 = time.process_time(), time.thread_time(), time.perf_counter()
+        self._before = _clocks()
         self._app0 = dict(self.clock.sums)
 
     def stop(self, stored: float) -> None:
         r1, sums = resource.getrusage(resource.RUSAGE_SELF), self.sums
-        sums["cpu"] += time.process_time() - self._c0
-        sums["loop"] += time.thread_time() - self._t0
-        sums["wall"] += time.perf_counter() - self._w0
+        for k, b, a in zip(("cpu", "loop", "wall"), self._before, _clocks(), strict=True):
+            sums[k] += a - b
         sums["sys"] += r1.ru_stime - self._r0.ru_stime
         sums["faults"] += r1.ru_minflt - self._r0.ru_minflt
         sums["stored"] += stored
@@ -156,8 +162,8 @@ class _Took:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
-    kinds = ("cpu", "loop", "wall", "stored", "faults", "sys", "app_cpu", "app_loop", "app_wall")
-    out: dict[str, dict[str, list[float]]] = {s: {k: [] for k in kinds} for s in SIDES}
+    measures = ROUND_MEASURES + APP_MEASURES
+    out: dict[str, dict[str, list[float]]] = {s: {k: [] for k in measures} for s in SIDES}
     if args.allocator == "default":
         exgrpo_pool.app.keep_freed_memory = lambda: False  # create_app's lifespan looks it up
     trainer, rng = pb.Trainer(0), np.random.default_rng(1)
