@@ -62,11 +62,11 @@ import _seed
 
 from exgrpo_client import frames, schemas
 
+T = TypeVar("T")
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
 CACHE = OUT / "cache"
-
-T = TypeVar("T")
 SERVE = ROOT / "bench" / "_serve.py"
 FLOOR = ROOT / "bench" / "_floor.py"
 GOAL_MS = 100.0
