@@ -183,7 +183,7 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
                     )
                     for _ in range(args.per_round)
                 ]
-                for side in SIDES if r % 2 else SIDES[::-1]:
+                for side in pb.in_turn(SIDES, r + 1):
                     stored, took = 0, _Took(apps["clocks"][side])
                     took.start()
                     for body in bodies:
@@ -207,7 +207,7 @@ async def _commits(
     trainers = {side: pb.Trainer(3) for side in SIDES}  # the same seed: the same bodies
     base = f"/v1/pools/{_seed.POOL_NAME}"
     for r in range(args.rounds + 1):  # round 0 warms both sides up
-        for side in SIDES if r % 2 else SIDES[::-1]:
+        for side in pb.in_turn(SIDES, r + 1):
             client = apps["clients"][side]
             took = _Took(apps["clocks"][side])
             for _ in range(args.commits):

@@ -848,7 +848,7 @@ async def _floor_throughput(
                 for _ in range(opts.throughput_requests)
             ]
             bodies = [trainer.ingest_body(q, enc) for q in picks]
-            order = ["service", "floor"] if (n + rnd) % 2 == 0 else ["floor", "service"]
+            order = in_turn(("service", "floor"), n + rnd)
             for side in order:
                 r = await _ingest(apis[side], prefix, opts, bodies, headers, opts.throughput_groups)
                 out.setdefault(enc, {}).setdefault(side, []).append(r)
